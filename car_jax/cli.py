@@ -1,0 +1,38 @@
+"""The `car-jax` entry point. Each sub-command lives in the module that owns its logic;
+a module listed here exposes `register(subparsers)` which adds its parsers and sets
+`func(args) -> int` on them."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# modules that contribute sub-commands, imported only when the CLI starts
+COMMAND_MODULES = (
+    "car_jax.checkpoints.commands",  # convert
+    "car_jax.run_default",  # run
+    "car_jax.tools.commands",  # build-index, serve-retriever
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="car-jax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name == name:  # a command module not written yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Host-side parsing of a trajectory's response text: answer, confidence, format, correctness.
+
+Everything here is plain Python on strings (the host side of DESIGN.md's host/device line);
+the jitted reward math lives in `car_jax.rewards`.
+
+What text these functions expect (car_jax's decision): **the response part only** -- the
+model-generated tokens plus the tool observations spliced in between them, decoded with special
+tokens skipped -- never the prompt. Prompts echo the tags in their instructions ("put the
+answer between <answer> and </answer>"), and parsing prompt + response would pick those up.
+Callers holding the full text cut the prompt off with `strip_prompt` first.
+
+Tags are matched exactly, lowercase, without attributes: `<think>`, `<search>`, `<information>`,
+`<answer>`, `<confidence>` and their closing forms.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import string
+from collections import Counter
+from typing import Sequence
+
+TAGS = ("think", "search", "information", "answer", "confidence")
+_TAG_RE = re.compile(r"</?(?:%s)>" % "|".join(TAGS))
+
+
+def strip_prompt(full_text: str, prompt: str) -> str:
+    """Returns the response part of `full_text`, which must start with `prompt`.
+
+    Raises ValueError when it does not: guessing where a prompt ends would let echoed tags in.
+    """
+    if not full_text.startswith(prompt):
+        raise ValueError("full_text does not start with the given prompt")
+    return full_text[len(prompt):]
+
+
+def last_tag_content(text: str, tag: str) -> str | None:
+    """Content of the last innermost `<tag>...</tag>` pair in `text`, stripped; None if none.
+
+    "Innermost" means the content holds no `<tag>` or `</tag>` itself: for
+    `<answer>a<answer>b</answer>c</answer>` this returns "b" (and the format check fails), for
+    `<answer>x` (no closing tag) it returns None, for two answers it returns the second.
+    """
+    open_, close = f"<{tag}>", f"</{tag}>"
+    end = text.rfind(close)
+    while end != -1:
+        start = text.rfind(open_, 0, end)
+        # innermost: no other closing tag between the opening tag and `end`
+        if start != -1 and text.rfind(close, start, end) == -1:
+            return text[start + len(open_):end].strip()
+        end = text.rfind(close, 0, end)
+    return None
+
+
+# Plain decimal numbers only: digits with an optional fractional part ("85", "85.0", "85.",
+# ".5"), then an optional "%" (spaces allowed before it). No sign, no exponent, no nan/inf.
+_CONF_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*%?")
+
+
+def parse_confidence(text: str) -> tuple[float, bool]:
+    """Reads the last `<confidence>` tag of a response: returns (q, ok) with q in [0, 1].
+
+    Accepted (after stripping surrounding whitespace inside the tag): a plain decimal number on
+    the 0..100 scale -- an integer ("85"), a decimal ("85.0", "85.", ".5") -- optionally
+    followed by a "%" ("85%", "85 %"). q = value / 100.
+    The scale is fixed by the prompt, so "0.85" means 0.85 out of 100 (q = 0.0085); car_jax does
+    not guess that the model meant 85.
+    Rejected, giving (0.0, False): a missing tag or missing closing tag, an empty tag, a sign
+    ("-3", "+5"), exponent notation ("1e2", "1e309"), "NaN", "inf", words, fractions, several
+    numbers, and any value outside [0, 100] ("100.5", "250").
+    """
+    content = last_tag_content(text, "confidence")
+    if content is None or _CONF_RE.fullmatch(content) is None:
+        return 0.0, False
+    value = float(content.rstrip("%").strip())
+    if not (math.isfinite(value) and 0.0 <= value <= 100.0):
+        return 0.0, False
+    return value / 100.0, True
+
+
+def check_format(text: str) -> tuple[bool, str]:
+    """Format check of a search-agent response (SPEC.md section 2, item 2): returns (ok, reason).
+
+    The grammar (whitespace-only text allowed between blocks, nothing else):
+
+        response := (think search information)* think answer confidence
+
+    Each block is `<tag>content</tag>`; a content may hold no tag at all (nested or stray tags
+    fail). The search query and the answer must be non-empty, and the confidence must parse
+    (`parse_confidence`). Nothing but whitespace may follow `</confidence>`. `reason` is ""
+    when ok, else a short description of the first violation.
+    """
+    # state -> tags allowed next; "end" allows nothing.
+    allowed = {
+        "start": ("think",), "think": ("search", "answer"), "search": ("information",),
+        "information": ("think",), "answer": ("confidence",), "confidence": (),
+    }
+    state, pos, contents = "start", 0, {}
+    while (m := _TAG_RE.search(text, pos)) is not None:
+        tag = m.group(0)
+        if tag.startswith("</"):
+            return False, f"unexpected {tag} at {m.start()}"
+        name = tag[1:-1]
+        if text[pos:m.start()].strip():
+            return False, f"text outside blocks before {tag} at {m.start()}"
+        if name not in allowed[state]:
+            return False, f"{tag} not allowed after {state}"
+        close = f"</{name}>"
+        end = text.find(close, m.end())
+        if end == -1:
+            return False, f"{tag} at {m.start()} is not closed"
+        if _TAG_RE.search(text, m.end(), end):
+            return False, f"nested tag inside {tag} at {m.start()}"
+        contents[name] = text[m.end():end].strip()
+        if name == "search" and not contents[name]:
+            return False, "empty search query"
+        state, pos = name, end + len(close)
+    if state != "confidence":
+        return False, f"response ends after {state}, expected ... answer confidence"
+    if text[pos:].strip():
+        return False, "text after </confidence>"
+    if not contents["answer"]:
+        return False, "empty answer"
+    if not parse_confidence(text)[1]:
+        return False, "confidence does not parse to a number in [0, 100]"
+    return True, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedResponse:
+    """What the reward needs from one response: the last answer (None if no closed
+    `<answer>` tag), q in [0, 1] (0.0 when the confidence failed to parse), and the checks."""
+
+    answer: str | None
+    q: float
+    confidence_ok: bool
+    format_ok: bool
+    reason: str
+
+
+def parse_response(text: str) -> ParsedResponse:
+    """Parses one search-agent response (the response part only, see the module docstring)."""
+    q, conf_ok = parse_confidence(text)
+    ok, reason = check_format(text)
+    return ParsedResponse(last_tag_content(text, "answer"), q, conf_ok, ok, reason)
+
+
+# ---------------------------------------------------------------- correctness: SQuAD style
+_PUNCT = frozenset(string.punctuation)
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD normalization: lowercase, drop punctuation, drop articles a/an/the, squeeze spaces."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in _PUNCT)
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def exact_match(prediction: str, golds: Sequence[str]) -> bool:
+    """True when the normalized prediction equals any normalized gold answer."""
+    pred = normalize_answer(prediction)
+    return any(pred == normalize_answer(g) for g in golds)
+
+
+def token_f1(prediction: str, golds: Sequence[str]) -> float:
+    """SQuAD token F1 of the normalized prediction, maximized over the gold answers.
+
+    When either side normalizes to no tokens, F1 is 1.0 if both do, else 0.0. No golds: 0.0.
+    """
+    pred = normalize_answer(prediction).split()
+    best = 0.0
+    for g in golds:
+        gold = normalize_answer(g).split()
+        if not pred or not gold:
+            best = max(best, float(pred == gold))
+            continue
+        same = sum((Counter(pred) & Counter(gold)).values())
+        if same:
+            p, r = same / len(pred), same / len(gold)
+            best = max(best, 2 * p * r / (p + r))
+    return best
+
+
+# ---------------------------------------------------------------- correctness: math
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` in `text` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        depth, i = 0, start + len("\\boxed")
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i + 1:j].strip()
+        start = text.rfind("\\boxed{", 0, start)  # unbalanced: try an earlier one
+    return None
+
+
+def _as_boxed(expr: str) -> str:
+    # strips $...$ delimiters so the expression can sit inside \boxed{}
+    return "\\boxed{" + expr.strip().strip("$").strip() + "}"
+
+
+def math_equal(prediction: str, golds: Sequence[str], timeout_seconds: int = 5) -> bool:
+    """Math equivalence with math-verify: the last `\\boxed{}` of `prediction` (the whole
+    prediction when it has none) against each gold answer (its last `\\boxed{}` too, or the
+    whole gold string), gold first as math-verify requires.
+
+    `timeout_seconds` goes to math-verify, which uses SIGALRM: pass 0 (no timeout) when calling
+    from a thread other than the main one.
+    """
+    from math_verify import parse, verify  # deferred: sympy import is slow
+
+    pred_expr = last_boxed(prediction)
+    pred_expr = prediction if pred_expr is None else pred_expr
+    if not pred_expr.strip():
+        return False
+    pred = parse(_as_boxed(pred_expr), parsing_timeout=timeout_seconds)
+    if not pred:
+        return False
+    for g in golds:
+        g_expr = last_boxed(g)
+        gold = parse(_as_boxed(g if g_expr is None else g_expr), parsing_timeout=timeout_seconds)
+        if gold and verify(gold, pred, timeout_seconds=timeout_seconds):
+            return True
+    return False

@@ -1,0 +1,149 @@
+"""Outcome rewards of CAR (SPEC.md section 2, items 3-4): jitted math over arrays, B = batch.
+
+Every reward takes `correct: bool[B]`, `q: float32[B]`, `format_ok: bool[B]` and returns
+`float32[B]`; with c = correct as 0/1:
+
+    binary          R = c
+    brier (RLCR)    R = c - (q - c)^2                      (weighted_brier at w = 1)
+    weighted_brier  R = c - w (q - c)^2,  w in (0, 1]       (car_jax's definition, w = 0.5)
+    mscr            R = c [1 + b1 (1 - (1 - q)^2)] - (1 - c) b2 q^2,  b1, b2 > 0 (1, 1)
+
+and then r = R - lambda_f where format_ok is False (lambda_f = `format_penalty`, 0.5).
+q must already lie in [0, 1] (the parser guarantees it; it is not clipped here, so a bad q
+shows up in the reward instead of being hidden). Hyperparameters are traced, not static:
+changing them does not recompile.
+
+A `RewardConfig` picks one of these functions on the host (`reward_fn`); nothing inside the
+jitted code switches on strings. `reward_inputs` turns response texts into the three arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Literal, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from car_jax import parsing
+
+RewardFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _penalize(r: jax.Array, format_ok: jax.Array, format_penalty) -> jax.Array:
+    """r: f32[B] -> r - lambda_f where the format failed, f32[B]."""
+    return (r - format_penalty * (1.0 - jnp.asarray(format_ok, jnp.float32))).astype(jnp.float32)
+
+
+def _c_q(correct, q) -> tuple[jax.Array, jax.Array]:
+    return jnp.asarray(correct, jnp.float32), jnp.asarray(q, jnp.float32)
+
+
+@jax.jit
+def binary(correct, q, format_ok, format_penalty=0.5) -> jax.Array:
+    """Search-R1's reward R = c. bool[B], f32[B], bool[B] -> f32[B] (q is ignored)."""
+    c, _ = _c_q(correct, q)
+    return _penalize(c, format_ok, format_penalty)
+
+
+@jax.jit
+def weighted_brier(correct, q, format_ok, weight=0.5, format_penalty=0.5) -> jax.Array:
+    """R = c - w (q - c)^2. bool[B], f32[B], bool[B] -> f32[B].
+
+    For w < 1 a correct answer (R >= 1 - w) always beats a wrong one (R <= 0).
+    """
+    c, q = _c_q(correct, q)
+    return _penalize(c - weight * (q - c) ** 2, format_ok, format_penalty)
+
+
+@jax.jit
+def brier(correct, q, format_ok, format_penalty=0.5) -> jax.Array:
+    """RLCR's reward R = c - (q - c)^2. bool[B], f32[B], bool[B] -> f32[B].
+
+    Rewards overlap at q = 0: a correct answer gets 0, the best a wrong one can get.
+    """
+    return weighted_brier(correct, q, format_ok, 1.0, format_penalty)
+
+
+@jax.jit
+def mscr(correct, q, format_ok, b1=1.0, b2=1.0, format_penalty=0.5) -> jax.Array:
+    """The paper's MSCR reward. bool[B], f32[B], bool[B] -> f32[B].
+
+    Correct answers get R in [1, 1 + b1], wrong ones R in [-b2, 0]. For a true success
+    probability p the expected reward is maximized at q* = p b1 / (p b1 + (1 - p) b2).
+    """
+    c, q = _c_q(correct, q)
+    r = c * (1.0 + b1 * (1.0 - (1.0 - q) ** 2)) - (1.0 - c) * b2 * q**2
+    return _penalize(r, format_ok, format_penalty)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Which reward and its hyperparameters. Fields a kind does not use are ignored."""
+
+    kind: Literal["binary", "brier", "weighted_brier", "mscr"] = "mscr"
+    b1: float = 1.0
+    b2: float = 1.0
+    weight: float = 0.5  # weighted_brier's w
+    format_penalty: float = 0.5  # lambda_f
+
+    def __post_init__(self):
+        if self.kind not in ("binary", "brier", "weighted_brier", "mscr"):
+            raise ValueError(f"unknown reward kind {self.kind!r}")
+        if not (self.b1 > 0 and self.b2 > 0):
+            raise ValueError("mscr needs b1 > 0 and b2 > 0")
+        if not 0 < self.weight <= 1:
+            raise ValueError("weighted_brier needs 0 < weight <= 1")
+        if not self.format_penalty >= 0:
+            raise ValueError("format_penalty must be >= 0")
+
+
+def reward_fn(cfg: RewardConfig) -> RewardFn:
+    """The config's reward as a plain function (correct, q, format_ok) -> f32[B]."""
+    lam = cfg.format_penalty
+    if cfg.kind == "binary":
+        return functools.partial(binary, format_penalty=lam)
+    if cfg.kind == "brier":
+        return functools.partial(brier, format_penalty=lam)
+    if cfg.kind == "weighted_brier":
+        return functools.partial(weighted_brier, weight=cfg.weight, format_penalty=lam)
+    return functools.partial(mscr, b1=cfg.b1, b2=cfg.b2, format_penalty=lam)
+
+
+class RewardInputs(NamedTuple):
+    """Host arrays for a reward function: correct bool[B], q float32[B], format_ok bool[B]."""
+
+    correct: np.ndarray
+    q: np.ndarray
+    format_ok: np.ndarray
+
+
+def reward_inputs(
+    responses: Sequence[str], golds: Sequence[Sequence[str]], task: Literal["qa", "math"] = "qa"
+) -> RewardInputs:
+    """Parses B response texts (response part only, see `car_jax.parsing`) against their golds.
+
+    task "qa" (search agent): correct = SQuAD exact match of the last `<answer>` against any
+    gold (no answer -> wrong); format_ok = the full `parsing.check_format` chain.
+    task "math" (TIR): correct = `parsing.math_equal` on the last `<answer>` if there is one,
+    else on the whole response (its last `\\boxed{}`); format_ok = the confidence parses (the
+    search chain does not apply to code trajectories).
+    In both, q = 0 when the confidence is missing or does not parse.
+    """
+    if len(responses) != len(golds):
+        raise ValueError(f"{len(responses)} responses but {len(golds)} gold lists")
+    correct, q, ok = [], [], []
+    for text, gold in zip(responses, golds):
+        parsed = parsing.parse_response(text)
+        if task == "qa":
+            correct.append(parsed.answer is not None and parsing.exact_match(parsed.answer, gold))
+            ok.append(parsed.format_ok)
+        elif task == "math":
+            answer = text if parsed.answer is None else parsed.answer
+            correct.append(parsing.math_equal(answer, gold))
+            ok.append(parsed.confidence_ok)
+        else:
+            raise ValueError(f"unknown task {task!r}")
+        q.append(parsed.q)
+    return RewardInputs(np.array(correct, bool), np.array(q, np.float32), np.array(ok, bool))

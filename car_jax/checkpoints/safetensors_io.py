@@ -1,0 +1,97 @@
+"""Reading and writing Hugging Face safetensors folders, one tensor at a time."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is: the message names the tensor or file."""
+
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class SafetensorsFolder:
+    """The tensors of an HF folder (single file or sharded with an index), read lazily.
+
+    `get(name)` opens the shard, copies out that one tensor and closes the file again,
+    so no more than one tensor's pages stay mapped at a time.
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        index = self.folder / INDEX_NAME
+        single = self.folder / SINGLE_NAME
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            missing = sorted({f for f in weight_map.values() if not (self.folder / f).exists()})
+            if missing:
+                names = [n for n, f in weight_map.items() if f == missing[0]][:3]
+                raise CheckpointError(
+                    f"{index}: shard file(s) {missing} missing (they hold {names}...); "
+                    f"re-download or re-export the checkpoint")
+            self._where = {name: self.folder / f for name, f in weight_map.items()}
+        elif single.exists():
+            with safe_open(single, "numpy") as f:
+                self._where = {name: single for name in f.keys()}
+        else:
+            raise CheckpointError(f"{self.folder}: neither {SINGLE_NAME} nor {INDEX_NAME} found")
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} missing from the checkpoint")
+        try:
+            with safe_open(self._where[name], "numpy") as f:
+                return np.array(f.get_tensor(name))
+        except (TypeError, ValueError) as err:  # e.g. a dtype numpy cannot represent
+            raise CheckpointError(f"{self._where[name]}: tensor {name!r} cannot be read: {err}") from err
+
+
+def write_safetensors(tensors: Iterable[tuple[str, np.ndarray]], folder: str | os.PathLike,
+                      max_shard_bytes: int = 2 << 30) -> list[str]:
+    """Writes (name, array) pairs as shards of at most `max_shard_bytes` (one tensor may
+    exceed it), with an index when there is more than one shard. Arrays are consumed as
+    they come, so only one shard is in memory at a time. Returns the file names."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
+
+    def flush(shard: dict[str, np.ndarray]):
+        name = f"model-{len(files) + 1:05d}.safetensors.tmp"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update({k: name for k in shard})
+
+    current: dict[str, np.ndarray] = {}
+    size = 0
+    for name, array in tensors:
+        array = np.ascontiguousarray(array)
+        if current and size + array.nbytes > max_shard_bytes:
+            flush(current)
+            current, size = {}, 0
+        current[name] = array
+        size += array.nbytes
+    if current:
+        flush(current)
+
+    total = len(files)
+    final = [SINGLE_NAME] if total == 1 else [f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1)]
+    for tmp, dst in zip(files, final):
+        os.replace(folder / tmp, folder / dst)
+    if total > 1:
+        rename = dict(zip(files, final))
+        index = {"metadata": {}, "weight_map": {k: rename[v] for k, v in weight_map.items()}}
+        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    return final

@@ -1,0 +1,124 @@
+"""The public model API: `load_model`, `load_tokenizer`, `save_hf`, and `Model`."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from car_jax.checkpoints.gguf_io import GGUFFile, gguf_tokenizer
+from car_jax.checkpoints.loader import load_params, save_hf_folder
+from car_jax.checkpoints.safetensors_io import CheckpointError, SafetensorsFolder
+from car_jax.models.cache import KVCache, init_cache
+from car_jax.models.config import ModelConfig
+from car_jax.models.decoder import Decoder
+
+DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+          "float16": jnp.float16, "fp16": jnp.float16}
+
+
+def as_dtype(name) -> Any:
+    if not isinstance(name, str):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(module: Decoder, params, tokens, valid, cache):
+    return module.apply({"params": params}, tokens, valid, cache)
+
+
+@dataclasses.dataclass
+class Model:
+    """A decoder, its params (placed on `mesh` if given) and where it came from."""
+    config: ModelConfig
+    params: dict[str, Any]
+    module: Decoder
+    mesh: Mesh | None = None
+    source: Path | None = None
+
+    def logits(self, tokens) -> jax.Array:
+        """tokens int32[B, T] (right padding allowed) -> causal logits float32[B, T, V]."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        return _forward(self.module, self.params, tokens, None, None)[0]
+
+    def forward(self, tokens, valid=None, cache: KVCache | None = None):
+        """One chunk through the model; see `Decoder.__call__`. Returns (logits, cache)."""
+        if cache is not None and tokens.shape[1] + int(cache.index) > cache.capacity:
+            raise ValueError(f"KV cache overflow: {int(cache.index)} slots used + {tokens.shape[1]} new "
+                             f"> capacity {cache.capacity}; allocate a larger cache")
+        return _forward(self.module, self.params, tokens, valid, cache)
+
+    def init_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return init_cache(self.config, batch_size, capacity, self.module.dtype)
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" and path.is_file()
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    path = Path(path)
+    if _is_gguf(path):
+        return GGUFFile(path).config
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: not a .gguf file and no config.json in it")
+    return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+
+
+def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, mesh: Mesh | None = None,
+               mode: str = "train", remat: bool = False, progress: bool = True) -> Model:
+    """Loads an HF folder (safetensors, single or sharded) or a `.gguf` file.
+
+    dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype).
+    With `mesh`, each tensor goes straight into its NamedSharding from the table in
+    `car_jax.sharding` (`mode` "train" or "sample")."""
+    path = Path(path)
+    if _is_gguf(path):
+        source = GGUFFile(path)
+        cfg = source.config
+    else:
+        cfg = read_config(path)
+        source = SafetensorsFolder(path)
+    compute = as_dtype(dtype)
+    storage = as_dtype(param_dtype or dtype)
+    params = load_params(source, cfg, dtype=storage, mesh=mesh, mode=mode, progress=progress)
+    module = Decoder(cfg, dtype=compute, param_dtype=storage, remat=remat)
+    return Model(cfg, params, module, mesh, path)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """A transformers tokenizer, with its chat template, from an HF folder or `.gguf` file.
+    Padding goes on the left (the rollout engine's layout); a missing pad token is set
+    to the EOS token."""
+    path = Path(path)
+    if _is_gguf(path):
+        tok = gguf_tokenizer(GGUFFile(path))
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def save_hf(model: Model, out_dir: str | os.PathLike, *, dtype=None, with_tokenizer: bool = True) -> Path:
+    """Writes `model` as an HF folder (config.json, safetensors) that transformers loads;
+    the tokenizer of the model's source is written beside it when there is one."""
+    out = save_hf_folder(model.params, model.config, out_dir, dtype=None if dtype is None else as_dtype(dtype))
+    if with_tokenizer and model.source is not None:
+        try:
+            load_tokenizer(model.source).save_pretrained(str(out))
+        except (OSError, ValueError):  # a weights-only source has no tokenizer to carry over
+            pass
+    return out

@@ -1,0 +1,156 @@
+"""Device mesh and the one table of PartitionSpecs.
+
+The mesh has two axes: `fsdp` (parameters and batch split for data parallel training
+with sharded weights) and `tp` (tensor parallel: heads, mlp width and vocab split).
+Parameters name their dimensions with logical axes (PARAM_AXES); a rules table maps
+logical axes to mesh axes, with a training variant (weights split over fsdp too) and a
+sampling variant (weights only split over tp, so a decode step needs no weight gather).
+Modules never build specs themselves: they read this table.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("fsdp", "tp")
+
+# param path (joined with "/", under "params") -> logical axis per dimension
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("norm",),
+    "layers/input_norm": ("layers", "norm"),
+    "layers/post_attn_norm": ("layers", "norm"),
+    "layers/attn/q": ("layers", "embed", "heads", "head_dim"),
+    "layers/attn/k": ("layers", "embed", "kv_heads", "head_dim"),
+    "layers/attn/v": ("layers", "embed", "kv_heads", "head_dim"),
+    "layers/attn/o": ("layers", "heads", "head_dim", "embed"),
+    "layers/attn/q_bias": ("layers", "heads", "head_dim"),
+    "layers/attn/k_bias": ("layers", "kv_heads", "head_dim"),
+    "layers/attn/v_bias": ("layers", "kv_heads", "head_dim"),
+    "layers/attn/o_bias": ("layers", "norm"),
+    "layers/attn/q_norm": ("layers", "head_dim"),
+    "layers/attn/k_norm": ("layers", "head_dim"),
+    "layers/mlp/gate": ("layers", "embed", "mlp"),
+    "layers/mlp/up": ("layers", "embed", "mlp"),
+    "layers/mlp/down": ("layers", "mlp", "embed"),
+    "layers/mlp/gate_bias": ("layers", "mlp"),
+    "layers/mlp/up_bias": ("layers", "mlp"),
+    "layers/mlp/down_bias": ("layers", "norm"),
+}
+
+# activations and caches, by name -> logical axes
+DATA_AXES: dict[str, tuple[str, ...]] = {
+    "tokens": ("batch", "time"),  # int32[B, T]
+    "cache_kv": ("layers", "batch", "cache", "kv_heads", "head_dim"),  # [L, B, S, K, H]
+    "cache_rows": ("batch", "cache"),  # bool[B, S]
+    "rows": ("batch",),  # [B]
+}
+
+# logical axis -> mesh axis (absent: replicated)
+RULES: dict[str, dict[str, str]] = {
+    "train": {"batch": "fsdp", "embed": "fsdp", "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp"},
+    "sample": {"batch": "fsdp", "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp"},
+}
+
+
+class ShardingError(ValueError):
+    """A mesh that cannot hold a tensor, or axis sizes that do not fit the devices."""
+
+
+def make_mesh(fsdp: int = -1, tp: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A (fsdp, tp) mesh over `devices` (default: all). One size may be -1: the rest."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    sizes = [fsdp, tp]
+    if sizes.count(-1) > 1:
+        raise ShardingError(f"at most one mesh axis may be -1, got fsdp={fsdp}, tp={tp}")
+    known = math.prod(s for s in sizes if s != -1)
+    if any(s == 0 or s < -1 for s in sizes) or n % known:
+        raise ShardingError(
+            f"mesh fsdp={fsdp} x tp={tp} does not fit {n} devices: the sizes must be positive "
+            f"(or -1 for the rest) and their product must divide {n}")
+    sizes = [n // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != n:
+        raise ShardingError(f"mesh fsdp={sizes[0]} x tp={sizes[1]} uses {math.prod(sizes)} of {n} devices; "
+                            f"use -1 for one axis to take the rest")
+    axis_types = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types, devices=devices)
+
+
+def spec_for(logical: Sequence[str], mode: str = "train") -> P:
+    """PartitionSpec for a tuple of logical axis names under the `mode` rules."""
+    rules = RULES[mode]
+    return P(*(rules.get(name) for name in logical))
+
+
+def _check_divisible(name: str, shape: Sequence[int], logical: Sequence[str], mesh: Mesh, mode: str):
+    if len(shape) != len(logical):
+        raise ShardingError(f"{name}: shape {tuple(shape)} has {len(shape)} dims, the sharding table "
+                            f"names {len(logical)}: {logical}")
+    for dim, (size, axis) in enumerate(zip(shape, logical)):
+        mesh_axis = RULES[mode].get(axis)
+        if mesh_axis is None:
+            continue
+        n = mesh.shape[mesh_axis]
+        if size % n:
+            raise ShardingError(
+                f"{name}: dim {dim} ({axis}={size}) is not divisible by mesh axis "
+                f"'{mesh_axis}' of size {n}; pick a mesh whose '{mesh_axis}' size divides {size}")
+
+
+def param_sharding(path: str, shape: Sequence[int], mesh: Mesh, mode: str = "train") -> NamedSharding:
+    """NamedSharding of the parameter at `path` ("layers/attn/q"), checked for divisibility."""
+    if path not in PARAM_AXES:
+        raise ShardingError(f"parameter {path!r} has no entry in car_jax.sharding.PARAM_AXES")
+    logical = PARAM_AXES[path]
+    _check_divisible(path, shape, logical, mesh, mode)
+    return NamedSharding(mesh, spec_for(logical, mode))
+
+
+def data_sharding(name: str, shape: Sequence[int], mesh: Mesh, mode: str = "train") -> NamedSharding:
+    """NamedSharding of an activation / cache array named in DATA_AXES."""
+    logical = DATA_AXES[name]
+    _check_divisible(name, shape, logical, mesh, mode)
+    return NamedSharding(mesh, spec_for(logical, mode))
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"layers": {"attn": {"q": x}}} -> {"layers/attn/q": x}."""
+    out = {}
+    for key, value in params.items():
+        path = f"{prefix}/{key}" if prefix else key
+        if isinstance(value, Mapping):
+            out.update(flatten_params(value, path))
+        else:
+            out[path] = value
+    return out
+
+
+def unflatten_params(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of `flatten_params`."""
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = out
+        *parents, leaf = path.split("/")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return out
+
+
+def params_shardings(params: Mapping[str, Any], mesh: Mesh, mode: str = "train") -> dict[str, Any]:
+    """A pytree of NamedShardings matching `params` (arrays or ShapeDtypeStructs)."""
+    flat = flatten_params(params)
+    return unflatten_params({p: param_sharding(p, np.shape(x) if not hasattr(x, "shape") else x.shape,
+                                               mesh, mode) for p, x in flat.items()})
+
+
+def shard_params(params: Mapping[str, Any], mesh: Mesh, mode: str = "train") -> dict[str, Any]:
+    """Places an in-memory params pytree on the mesh according to the table."""
+    shardings = params_shardings(params, mesh, mode)
+    return jax.tree.map(jax.device_put, params, shardings)

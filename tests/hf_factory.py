@@ -1,0 +1,40 @@
+"""Tiny random Hugging Face checkpoints built locally (nothing is downloaded)."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256)
+
+# name -> (config class, model class, overrides)
+CONFIGS = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(head_dim=16, tie_word_embeddings=True, rope_theta=1e6)),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(tie_word_embeddings=True, rope_theta=100000.0)),
+    "llama_bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                   dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                        num_key_value_heads=4)),
+}
+
+
+def build(name: str, folder, seed: int = 0, **overrides):
+    """Saves a random tiny model `name` to `folder`; returns the torch model (eval, fp32)."""
+    cfg_cls, model_cls, extra = CONFIGS[name]
+    torch.manual_seed(seed)
+    cfg = cfg_cls(**{**BASE, **extra, **overrides})
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # random biases and norm scales, so that a dropped term shows
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def hf_logits(model, tokens) -> "np.ndarray":
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()

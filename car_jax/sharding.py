@@ -13,7 +13,6 @@ import math
 from typing import Any, Mapping, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("fsdp", "tp")
@@ -146,8 +145,7 @@ def unflatten_params(flat: Mapping[str, Any]) -> dict[str, Any]:
 def params_shardings(params: Mapping[str, Any], mesh: Mesh, mode: str = "train") -> dict[str, Any]:
     """A pytree of NamedShardings matching `params` (arrays or ShapeDtypeStructs)."""
     flat = flatten_params(params)
-    return unflatten_params({p: param_sharding(p, np.shape(x) if not hasattr(x, "shape") else x.shape,
-                                               mesh, mode) for p, x in flat.items()})
+    return unflatten_params({p: param_sharding(p, x.shape, mesh, mode) for p, x in flat.items()})
 
 
 def shard_params(params: Mapping[str, Any], mesh: Mesh, mode: str = "train") -> dict[str, Any]:

@@ -12,3 +12,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory):
+    """The embedded SmolLM2-135M-Instruct GGUF converted once to an HF folder."""
+    from car_jax.assets import smollm2_gguf
+    from car_jax.checkpoints.convert import gguf_to_hf
+
+    return gguf_to_hf(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "hf")

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from car_jax import sharding as shd
 from car_jax.checkpoints.gguf_io import GGUFFile, gguf_tokenizer
 from car_jax.checkpoints.loader import load_params, save_hf_folder
 from car_jax.checkpoints.safetensors_io import CheckpointError, SafetensorsFolder
@@ -82,16 +83,21 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype).
     With `mesh`, each tensor goes straight into its NamedSharding from the table in
     `car_jax.sharding` (`mode` "train" or "sample")."""
+    from car_jax.checkpoints.convert import is_params_folder, load_params_folder
+
     path = Path(path)
-    if _is_gguf(path):
-        source = GGUFFile(path)
-        cfg = source.config
-    else:
-        cfg = read_config(path)
-        source = SafetensorsFolder(path)
     compute = as_dtype(dtype)
     storage = as_dtype(param_dtype or dtype)
-    params = load_params(source, cfg, dtype=storage, mesh=mesh, mode=mode, progress=progress)
+    if is_params_folder(path):  # written by `car-jax convert` / training: orbax params
+        cfg = read_config(path)
+        abstract = jax.eval_shape(lambda: Decoder(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+        shardings = None if mesh is None else shd.params_shardings(abstract["params"], mesh, mode)
+        _, params = load_params_folder(path, shardings)
+        params = jax.tree.map(lambda x: x.astype(storage), params)
+    else:
+        source = GGUFFile(path) if _is_gguf(path) else SafetensorsFolder(path)
+        cfg = source.config if _is_gguf(path) else read_config(path)
+        params = load_params(source, cfg, dtype=storage, mesh=mesh, mode=mode, progress=progress)
     module = Decoder(cfg, dtype=compute, param_dtype=storage, remat=remat)
     return Model(cfg, params, module, mesh, path)
 

@@ -1,0 +1,18 @@
+"""`car-jax convert`: checkpoint conversion, direction inferred from the source."""
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("convert", help="convert GGUF -> HF, HF -> car_jax params, car_jax params -> HF")
+    p.add_argument("--src", required=True, help=".gguf file, HF folder, or car_jax params folder")
+    p.add_argument("--dst", required=True, help="output folder")
+    p.add_argument("--dtype", default="float32", help="param dtype when reading an HF folder")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from car_jax.checkpoints.convert import convert
+
+    direction, out = convert(args.src, args.dst, args.dtype)
+    print(f"{direction}: wrote {out}")
+    return 0

@@ -1,0 +1,104 @@
+"""Conversions between the three checkpoint forms car_jax handles.
+
+  GGUF file           -> HF folder (dequantized float32 safetensors, config, tokenizer)
+  HF folder           -> car_jax params folder (orbax params + config.json + tokenizer)
+  car_jax params      -> HF folder (transformers loads it)
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+
+from car_jax.checkpoints.gguf_io import GGUFFile, gguf_tokenizer
+from car_jax.checkpoints.loader import check_names, save_hf_folder
+from car_jax.checkpoints.safetensors_io import CheckpointError, write_safetensors
+from car_jax.checkpoints.table import entries, hf_names
+from car_jax.models.config import ModelConfig
+
+PARAMS_MARKER = "car_jax_params.json"  # marks a car_jax params folder
+
+
+def gguf_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Dequantizes a GGUF file into an HF folder that transformers (and car_jax) load."""
+    g = GGUFFile(src)
+    check_names(g, g.config)
+    dst = Path(dst)
+    names = [n for e in entries(g.config) for n in hf_names(e, g.config)]
+    write_safetensors(((n, g.get(n)) for n in names), dst)
+    hf = g.config.to_hf()
+    hf["dtype"] = hf["torch_dtype"] = "float32"
+    (dst / "config.json").write_text(json.dumps(hf, indent=2))
+    gguf_tokenizer(g).save_pretrained(str(dst))
+    return dst
+
+
+def save_params(model, dst: str | os.PathLike) -> Path:
+    """Writes a model's params with orbax (sharded arrays stay sharded) beside its
+    config.json and tokenizer, so `load_params_folder` restores it onto any mesh."""
+    import orbax.checkpoint as ocp
+
+    from car_jax.models.api import load_tokenizer
+
+    dst = Path(dst).absolute()
+    dst.mkdir(parents=True, exist_ok=True)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(dst / "params", model.params, force=True)
+    ckpt.wait_until_finished()
+    (dst / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    (dst / PARAMS_MARKER).write_text(json.dumps({"format": "orbax-params", "version": 1}))
+    if model.source is not None:
+        try:
+            load_tokenizer(model.source).save_pretrained(str(dst))
+        except (OSError, ValueError):
+            pass
+    return dst
+
+
+def is_params_folder(path: str | os.PathLike) -> bool:
+    return (Path(path) / PARAMS_MARKER).is_file()
+
+
+def load_params_folder(path: str | os.PathLike, shardings=None):
+    """(ModelConfig, params) from a folder written by `save_params`; `shardings` is a
+    pytree of target shardings (default: the first device)."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    ckpt = ocp.StandardCheckpointer()
+    meta = ckpt.metadata(path / "params")
+    tree = getattr(meta, "item_metadata", meta)
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device, tree)
+    target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), tree, shardings)
+    return cfg, ckpt.restore(path / "params", target)
+
+
+def params_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    cfg, params = load_params_folder(src)
+    out = save_hf_folder(params, cfg, dst)
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (out / name).write_bytes((Path(src) / name).read_bytes())
+    return out
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32") -> tuple[str, Path]:
+    """Converts by the kind of `src`; returns (direction, output folder)."""
+    from car_jax.models.api import load_model
+
+    src = Path(src)
+    if src.is_file() and src.suffix == ".gguf":
+        return "gguf -> hf", gguf_to_hf(src, dst)
+    if is_params_folder(src):
+        return "car_jax params -> hf", params_to_hf(src, dst)
+    if (src / "config.json").is_file():
+        return "hf -> car_jax params", save_params(load_model(src, dtype=dtype), dst)
+    raise CheckpointError(f"{src}: not a .gguf file, an HF folder (config.json) or a car_jax params "
+                          f"folder ({PARAMS_MARKER})")
+
+

@@ -1,0 +1,49 @@
+"""Loading onto a mesh puts every tensor in the table's sharding and changes no logit."""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+import car_jax
+from car_jax import sharding as shd
+from tests.hf_factory import build
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    # 8 kv heads and 8 heads so tp=2 divides them; vocab 96 divides 2, 4 and 8
+    build("qwen2", path, num_attention_heads=8, num_key_value_heads=4, hidden_size=64, head_dim=8)
+    return path
+
+
+def test_eight_fake_devices():
+    assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize("fsdp,tp,mode", [(4, 2, "train"), (8, 1, "train"), (-1, 2, "sample")])
+def test_sharded_load_matches_table_and_unsharded_logits(folder, fsdp, tp, mode):
+    mesh = car_jax.make_mesh(fsdp=fsdp, tp=tp)
+    model = car_jax.load_model(folder, mesh=mesh, mode=mode)
+    for path, array in shd.flatten_params(model.params).items():
+        expected = NamedSharding(mesh, shd.spec_for(shd.PARAM_AXES[path], mode))
+        assert array.sharding.is_equivalent_to(expected, array.ndim), path
+    # training splits weights over every mesh axis; sampling keeps them whole over fsdp
+    specs = {a.sharding.spec for a in shd.flatten_params(model.params).values()}
+    used = {ax for spec in specs for ax in spec if ax and mesh.shape[ax] > 1}
+    wanted = {ax for ax, n in mesh.shape.items() if n > 1}
+    assert used == (wanted if mode == "train" else wanted - {"fsdp"})
+
+    tokens = np.random.default_rng(0).integers(0, 96, size=(8, 10))
+    ref = np.asarray(car_jax.load_model(folder).logits(tokens))
+    assert np.abs(np.asarray(model.logits(tokens)) - ref).max() <= 1e-5
+
+
+def test_mesh_errors_name_the_problem(folder):
+    with pytest.raises(shd.ShardingError, match="does not fit 8 devices"):
+        car_jax.make_mesh(fsdp=3, tp=-1)
+    with pytest.raises(shd.ShardingError, match="at most one"):
+        car_jax.make_mesh(fsdp=-1, tp=-1)
+    mesh = car_jax.make_mesh(fsdp=1, tp=8)  # 4 kv heads cannot be split 8 ways
+    with pytest.raises(shd.ShardingError, match=r"layers/attn/k.*kv_heads=4.*'tp' of size 8"):
+        car_jax.load_model(folder, mesh=mesh)

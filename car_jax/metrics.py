@@ -36,8 +36,9 @@ def bin_edges(n_bins: int = 10) -> np.ndarray:
 
 def bin_index(q: jax.Array, n_bins: int = 10) -> jax.Array:
     """q: f32[B] -> int32[B] in [0, n_bins): the number of inner edges e_1..e_{n_bins-1} <= q."""
-    inner = jnp.asarray(bin_edges(n_bins)[1:-1])
-    return jnp.searchsorted(inner, jnp.asarray(q, jnp.float32), side="right").astype(jnp.int32)
+    inner = jnp.asarray(bin_edges(n_bins)[1:-1])  # f32[n_bins - 1]
+    q = jnp.asarray(q, jnp.float32)
+    return jnp.sum(q[:, None] >= inner, axis=1, dtype=jnp.int32)  # compares beat a search here
 
 
 @functools.partial(jax.jit, static_argnames="n_bins")
@@ -47,25 +48,39 @@ def bin_stats(correct, q, n_bins: int = 10) -> tuple[jax.Array, jax.Array, jax.A
     Empty bins report mean q = accuracy = 0.
     """
     c, q = jnp.asarray(correct, jnp.float32), jnp.asarray(q, jnp.float32)
-    b = bin_index(q, n_bins)
-    count = jax.ops.segment_sum(jnp.ones_like(b), b, n_bins)  # int32[n_bins]
+    member = bin_index(q, n_bins)[:, None] == jnp.arange(n_bins)  # bool[B, n_bins]
+    # masked reductions, not segment_sum: XLA reduces pairwise, a scatter-add adds serially
+    # (at B = 1M that moved ECE by 3e-6 against a float64 reference).
+    count = jnp.sum(member, axis=0, dtype=jnp.int32)  # int32[n_bins]
     denom = jnp.maximum(count, 1).astype(jnp.float32)
-    mean_q = jax.ops.segment_sum(q, b, n_bins) / denom
-    acc = jax.ops.segment_sum(c, b, n_bins) / denom
+    mean_q = jnp.sum(jnp.where(member, q[:, None], 0.0), axis=0) / denom
+    acc = jnp.sum(jnp.where(member, c[:, None], 0.0), axis=0) / denom
     return count, mean_q, acc
 
 
 @jax.jit
 def auroc(correct, q) -> jax.Array:
-    """bool[B], f32[B] -> f32[]: P(q+ > q-) + 0.5 P(q+ = q-); NaN when a class is missing."""
-    c, q = jnp.asarray(correct, bool), jnp.asarray(q, jnp.float32)
-    n_pos = jnp.sum(c)
-    n_neg = c.shape[0] - n_pos
-    neg_sorted = jnp.sort(jnp.where(c, jnp.inf, q))  # f32[B], positives pushed past every q
-    below = jnp.searchsorted(neg_sorted, q, side="left", method="sort")  # negatives < q
-    at_or_below = jnp.searchsorted(neg_sorted, q, side="right", method="sort")
-    frac = (below + 0.5 * (at_or_below - below)) / n_neg  # f32[B], per-positive score
-    value = jnp.sum(jnp.where(c, frac, 0.0)) / n_pos
+    """bool[B], f32[B] -> f32[]: P(q+ > q-) + 0.5 P(q+ = q-); NaN when a class is missing.
+
+    One sort of int32 keys (XLA's CPU sort is ~3x faster on int32 than on float32): for
+    q in [0, 1] the float32 bit pattern, read as an int, is < 2^30 and ordered like q, so
+    key = 2 * bits + c fits in int32 and carries the label. Then, per tie group of equal q,
+    scans give the negatives below the group and inside it; no scatter.
+    """
+    c = jnp.asarray(correct, jnp.int32)
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(q, jnp.float32) + 0.0, jnp.int32)  # -0 -> +0
+    key = jnp.sort(2 * bits + c)  # int32[B], ascending q
+    v, pos = key >> 1, key & 1  # int32[B] each: q's bits and the label, in sorted order
+    neg = 1 - pos
+    n_pos = jnp.sum(pos)
+    n_neg = neg.shape[0] - n_pos
+    first = jnp.concatenate([jnp.array([True]), v[1:] != v[:-1]])  # bool[B]: starts a group
+    last = jnp.concatenate([v[1:] != v[:-1], jnp.array([True])])  # bool[B]: ends a group
+    incl = jnp.cumsum(neg)  # int32[B]: negatives at positions <= i
+    below = jax.lax.cummax(jnp.where(first, incl - neg, 0))  # negatives before the group
+    upto = jax.lax.cummin(jnp.where(last, incl, neg.shape[0]), reverse=True)  # ... through it
+    score = (below + 0.5 * (upto - below)) / n_neg  # f32[B]: per-positive P(beat a negative)
+    value = jnp.sum(jnp.where(pos == 1, score, 0.0)) / n_pos
     return jnp.where((n_pos > 0) & (n_neg > 0), value, jnp.nan)
 
 
@@ -119,6 +134,18 @@ def calibration(correct, confidence, n_bins: int = 10) -> dict[str, float]:
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("n_bins", "n_boot"))
+def _bootstrap_stats(correct, q, key, n_bins: int, n_boot: int) -> jax.Array:
+    """bool[B], f32[B] -> f32[n_boot, len(KEYS)]: the metrics of n_boot resamples."""
+
+    def one(k):
+        idx = jax.random.randint(k, q.shape, 0, q.shape[0])  # int32[B]
+        m = calibration_arrays(correct[idx], q[idx], n_bins)
+        return jnp.stack([m[name] for name in KEYS])  # f32[len(KEYS)]
+
+    return jax.lax.map(one, jax.random.split(key, n_boot), batch_size=16)
+
+
 def bootstrap_ci(correct, confidence, n_bins: int = 10, n_boot: int = 1000,
                  level: float = 0.95, seed: int = 0) -> dict[str, tuple[float, float]]:
     """Percentile bootstrap intervals: resample the B samples with replacement n_boot times.
@@ -127,15 +154,7 @@ def bootstrap_ci(correct, confidence, n_bins: int = 10, n_boot: int = 1000,
     where a metric is undefined (NaN) are left out of that metric's interval.
     """
     c, q = check_inputs(correct, confidence)
-    c, q = jnp.asarray(c), jnp.asarray(q)
-
-    def one(key):
-        idx = jax.random.randint(key, c.shape, 0, c.shape[0])  # int32[B]
-        m = calibration_arrays(c[idx], q[idx], n_bins)
-        return jnp.stack([m[k] for k in KEYS])  # f32[len(KEYS)]
-
-    keys = jax.random.split(jax.random.key(seed), n_boot)
-    stats = np.asarray(jax.jit(lambda k: jax.lax.map(one, k, batch_size=16))(keys))
+    stats = np.asarray(_bootstrap_stats(c, q, jax.random.key(seed), n_bins, n_boot))
     tail = 100 * (1 - level) / 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns give NaN bounds

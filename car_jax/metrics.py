@@ -14,7 +14,8 @@ Conventions (car_jax's, used everywhere these numbers are reported):
 - AUROC: correct = positive class, q = score; P(q+ > q-) + 0.5 P(q+ = q-) over all
   positive/negative pairs, which equals the rank formula with average ranks for ties
   (sklearn's `roc_auc_score`). NaN, with a warning, when only one class is present.
-Sums run in float32: at B = 1M the results agree with a float64 reference to about 1e-6.
+Sums run in float32 (pairwise reductions): at B = 1M the results agree with a float64
+reference to within 1e-7 (benchmarks/bench_rewards.py prints the difference).
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def auroc(correct, q) -> jax.Array:
     q in [0, 1] the float32 bit pattern, read as an int, is < 2^30 and ordered like q, so
     key = 2 * bits + c fits in int32 and carries the label. Then, per tie group of equal q,
     scans give the negatives below the group and inside it; no scatter.
+    q must lie in [0, 1] (negative q would break the key order; `calibration` checks).
     """
     c = jnp.asarray(correct, jnp.int32)
     bits = jax.lax.bitcast_convert_type(jnp.asarray(q, jnp.float32) + 0.0, jnp.int32)  # -0 -> +0

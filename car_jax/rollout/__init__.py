@@ -1,0 +1,1 @@
+"""Generation and agent episodes: on-device sampling with a KV cache, host-side tools."""

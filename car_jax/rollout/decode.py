@@ -1,0 +1,105 @@
+"""The on-device part of generation: a jitted prefill and a jitted decode loop.
+
+A *segment* is one stretch of model output: prefill some new tokens (a prompt, or the
+pending last token plus a tool observation), then sample until every row has stopped
+(EOS, a stop pattern, or the row was already finished) or the segment budget is spent.
+
+Invariant between segments: each row's last sampled token is *pending*: it was sampled
+but not yet written to the cache. The next segment's prefill starts with it. This keeps
+the loop body to one forward of one token per row, and a row that stops never writes
+a token it will not condition on.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from car_jax.models.cache import KVCache
+from car_jax.models.decoder import Decoder
+from car_jax.rollout.sampling import Sampler
+from car_jax.rollout.stops import STOP
+
+
+class SegmentOut(NamedTuple):
+    tokens: jax.Array  # int32[B, M] sampled ids (pad after a row's length)
+    logp: jax.Array  # float32[B, M] recorded log-probs (0 after a row's length)
+    length: jax.Array  # int32[B] tokens sampled in this segment
+    stopped: jax.Array  # bool[B] the row stopped (EOS or pattern); False: ran out of budget
+    eos: jax.Array  # bool[B] the stop was an EOS id
+    pattern: jax.Array  # int32[B] index of the stop pattern that fired, -1 if none
+
+
+class _Loop(NamedTuple):
+    step: jax.Array
+    cache: KVCache
+    logits: jax.Array  # [B, V] next-token logits
+    done: jax.Array  # bool[B]
+    dfa: jax.Array  # int32[B, P]
+    out: SegmentOut
+    key: jax.Array
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def prefill(module: Decoder, params, cache: KVCache, tokens, valid):
+    """Writes tokens int32[B, T] (valid bool[B, T]) into the cache; returns
+    (logits float32[B, V] at each row's last valid token, cache)."""
+    hidden, cache = module.apply({"params": params}, tokens, valid, cache, return_hidden=True)
+    t = tokens.shape[1]
+    last = t - 1 - jnp.argmax(valid[:, ::-1], axis=1)  # index of the last valid token per row
+    h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
+    logits = module.apply({"params": params}, h_last, method=Decoder.unembed)
+    return logits, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, cache: KVCache,
+                   logits, active, eos_ids, tables, key):
+    """Samples up to `max_steps` tokens per active row.
+
+    logits float32[B, V]: next-token logits after the prefill; active bool[B]: rows that
+    take part; eos_ids int32[E]; tables int32[P, S, V] stop automata (see stops.py);
+    key: PRNG key. Returns (SegmentOut, cache). Finished rows leave invalid holes in the
+    cache; positions of the other rows are unaffected. A row that *stopped* has its last
+    token pending (not in the cache); a row that ran out of budget has it written."""
+    b = logits.shape[0]
+    n_pat = tables.shape[0]
+    out = SegmentOut(
+        tokens=jnp.zeros((b, max_steps), jnp.int32),
+        logp=jnp.zeros((b, max_steps), jnp.float32),
+        length=jnp.zeros((b,), jnp.int32),
+        stopped=jnp.zeros((b,), bool),
+        eos=jnp.zeros((b,), bool),
+        pattern=jnp.full((b,), -1, jnp.int32),
+    )
+    state = _Loop(jnp.zeros((), jnp.int32), cache, logits, ~active,
+                  jnp.zeros((b, n_pat), jnp.int32), out, key)
+
+    def cond(s: _Loop):
+        return (s.step < max_steps) & ~jnp.all(s.done)
+
+    def body(s: _Loop):
+        key, sub = jax.random.split(s.key)
+        tok, lp = sampler(s.logits, sub)
+        live = ~s.done
+        o = s.out
+        tokens = o.tokens.at[:, s.step].set(jnp.where(live, tok, 0))
+        logp = o.logp.at[:, s.step].set(jnp.where(live, lp, 0.0))
+        length = o.length + live
+        is_eos = jnp.any(tok[:, None] == eos_ids[None, :], axis=1) & live
+        nxt = tables[jnp.arange(n_pat)[None, :], s.dfa, tok[:, None]]  # [B, P]
+        hit = (nxt == STOP) & live[:, None]
+        fired = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), -1)
+        stop_now = is_eos | (fired >= 0)
+        out = SegmentOut(tokens, logp, length, o.stopped | stop_now, o.eos | is_eos,
+                         jnp.where(live & (fired >= 0), fired, o.pattern))
+        done = s.done | stop_now
+        dfa = jnp.where(hit, 0, nxt)
+        # rows still running condition on the new token; the others leave a hole
+        step_logits, cache = module.apply({"params": params}, tok[:, None], ~done[:, None], s.cache)
+        return _Loop(s.step + 1, cache, step_logits[:, 0], done, dfa, out, key)
+
+    final = jax.lax.while_loop(cond, body, state)
+    return final.out, final.cache

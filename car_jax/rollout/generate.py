@@ -1,0 +1,80 @@
+"""`generate`: batched text generation with the jitted prefill + decode loop."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from car_jax.rollout.decode import SegmentOut, decode_segment, prefill
+from car_jax.rollout.sampling import Sampler
+from car_jax.rollout.stops import stop_tables
+
+BUCKET = 16  # prefill lengths are padded to a multiple of this, to bound recompiles
+
+
+def round_up(n: int, multiple: int = BUCKET) -> int:
+    return -(-n // multiple) * multiple
+
+
+def prompt_texts(tokenizer, prompts: Sequence) -> list[str]:
+    """Strings pass through; a list of chat messages gets the chat template."""
+    return [p if isinstance(p, str) else
+            tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
+            for p in prompts]
+
+
+def left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens int32[B, width], valid bool[B, width]) with each row flush right."""
+    tokens = np.full((len(rows), width), pad_id, np.int32)
+    valid = np.zeros((len(rows), width), bool)
+    for b, row in enumerate(rows):
+        if len(row):
+            tokens[b, width - len(row):] = row
+            valid[b, width - len(row):] = True
+    return tokens, valid
+
+
+def eos_ids(model, tokenizer) -> np.ndarray:
+    ids = set(model.config.eos_token_id)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    for special in ("<|im_end|>", "<|endoftext|>"):
+        i = tokenizer.convert_tokens_to_ids(special)
+        if isinstance(i, int) and i != tokenizer.unk_token_id and i is not None and i >= 0:
+            ids.add(i)
+    return np.array(sorted(ids), np.int32)
+
+
+def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 sampler: Sampler = Sampler(), stop: Sequence = (), seed: int = 0,
+                 eos: np.ndarray | None = None) -> SegmentOut:
+    """Token-level generation for prompts given as id lists; returns the SegmentOut
+    (sampled ids, recorded log-probs, lengths, stop flags) as numpy arrays."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    width = round_up(max(len(p) for p in prompt_ids))
+    tokens, valid = left_pad(prompt_ids, width, tokenizer.pad_token_id or 0)
+    cache = model.init_cache(len(prompt_ids), width + max_new_tokens)
+    logits, cache = prefill(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid))
+    tables = jnp.asarray(stop_tables(tokenizer, stop))
+    eos = eos_ids(model, tokenizer) if eos is None else eos
+    active = jnp.asarray(valid.any(axis=1))
+    out, _ = decode_segment(model.module, sampler, max_new_tokens, model.params, cache, logits,
+                            active, jnp.asarray(eos), tables, jax.random.key(seed))
+    return SegmentOut(*(np.asarray(x) for x in out))
+
+
+def generate(model, tokenizer, prompts: Sequence, *, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, stop: Sequence = (), seed: int = 0) -> list[str]:
+    """Generates a completion for each prompt (a string, or a list of chat messages
+    that gets the tokenizer's chat template). Stops a row at EOS / <|im_end|> or when a
+    stop pattern completes (the pattern's text is kept). Returns the completions, with
+    special tokens removed."""
+    texts = prompt_texts(tokenizer, prompts)
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    out = generate_ids(model, tokenizer, ids, max_new_tokens=max_new_tokens,
+                       sampler=Sampler(temperature, top_p, top_k), stop=stop, seed=seed)
+    return [tokenizer.decode(out.tokens[b, : out.length[b]], skip_special_tokens=True)
+            for b in range(len(texts))]

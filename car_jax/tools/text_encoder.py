@@ -6,7 +6,7 @@ also what an index's meta JSON records. Offline default: all-MiniLM-L6-v2 shippe
 A folder whose name contains "e5" gets E5's `query: ` / `passage: ` prefixes and 512 tokens
 unless told otherwise.
 
-Shapes are padded to buckets (batch: powers of two up to `batch_size`; length: powers of two
+Shapes are padded to buckets (batch: powers of four up to `batch_size`; length: powers of two
 from 16 up to `max_length`) so the jitted forward compiles a handful of times, not per call.
 """
 from __future__ import annotations
@@ -84,10 +84,10 @@ def resolve_encoder(
     )
 
 
-def _bucket(n: int, lo: int, hi: int) -> int:
+def _bucket(n: int, lo: int, hi: int, factor: int = 2) -> int:
     size = lo
     while size < n:
-        size *= 2
+        size *= factor
     return min(size, hi)
 
 
@@ -138,7 +138,7 @@ class TextEncoder:
         out = np.zeros((len(ids), self.dim), np.float32)
         for start in range(0, len(ids), self.batch_size):
             rows = order[start : start + self.batch_size]
-            B = _bucket(len(rows), 1, self.batch_size)
+            B = _bucket(len(rows), 1, self.batch_size, factor=4)
             T = _bucket(max(len(ids[r]) for r in rows), 16, self.max_length)
             tokens = np.zeros((B, T), np.int32)  # [B, T]
             mask = np.zeros((B, T), np.int32)
@@ -151,12 +151,12 @@ class TextEncoder:
         return out
 
     def warmup(self, lengths: Sequence[int] = (16, 32)) -> None:
-        """Compile the query shapes ahead of the first request."""
+        """Compile the query shapes ahead of the first request (a second or so each)."""
         B = 1
         while True:
             for T in lengths:
                 self.encode(["x " * max(T - 4, 0)] * B)
             if B >= self.batch_size:
                 break
-            B = min(B * 2, self.batch_size)
+            B = min(B * 4, self.batch_size)
 

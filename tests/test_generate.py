@@ -1,0 +1,177 @@
+"""Generation: greedy parity with transformers, BPE-robust stops, sampling statistics."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import car_jax
+from car_jax.assets import qwen_tokenizer, smollm2_gguf
+from car_jax.rollout.generate import generate, generate_ids
+from car_jax.rollout.sampling import Sampler, truncate
+from car_jax.rollout.stops import STOP, matches, stop_tables, token_texts
+from tests.hf_factory import build
+
+PROMPTS = ["What is the capital of France?", "Name three primary colors.",
+           "Write one short sentence about the ocean and the moon at night, please.", "Hi"]
+
+
+def test_greedy_equals_transformers_generate(smollm2_hf):
+    import torch
+    import transformers
+    model = car_jax.load_model(smollm2_hf)
+    tok = car_jax.load_tokenizer(smollm2_hf)
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                     add_generation_prompt=True) for p in PROMPTS]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert len({len(i) for i in ids}) == 4  # four different prompt lengths
+    ours = generate_ids(model, tok, ids, max_new_tokens=32)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf).eval()
+    batch = tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ref = hf.generate(**batch, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))[:, batch["input_ids"].shape[1]:]
+    ref = ref.numpy()
+    for b in range(4):
+        n = int(ours.length[b])
+        np.testing.assert_array_equal(ours.tokens[b, :n], ref[b, :n])
+        if n < 32:  # we stopped at EOS: transformers did too, and only pads follow
+            assert ours.eos[b] and (ref[b, n:] == tok.pad_token_id).all()
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen"])
+def vocab(request):
+    tok = car_jax.load_tokenizer(smollm2_gguf()) if request.param == "smollm2" else qwen_tokenizer()
+    patterns = ["</search>", "</answer>", ("```python", "```")]
+    return tok, token_texts(tok), stop_tables(tok, patterns), patterns
+
+
+FRAGMENTS = ["</search>", "</answer>", "</", "search", ">", "\n", "\n\n", ">\n\n", "```", "```python\n",
+             "python", "print(1)", " the", "<answer>", "Paris", "sea", "rch>", "`", "``", "</sea", " ", "ans"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(parts=st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=12), split=st.booleans())
+def test_stop_automaton_agrees_with_text_search(vocab, parts, split):
+    tok, texts, tables, patterns = vocab
+    if split:  # force token boundaries at fragment edges (as a sampler may produce)
+        ids = [i for p in parts for i in tok(p, add_special_tokens=False)["input_ids"]]
+    else:  # let BPE merge across fragments (">\n\n", "`\n" ...)
+        ids = tok("".join(parts), add_special_tokens=False)["input_ids"]
+    for p, pattern in enumerate(patterns):
+        state, fired_at = 0, None
+        for i, t in enumerate(ids):
+            state = tables[p, state, t]
+            if state == STOP:
+                fired_at = i
+                break
+        prefix_hits = [matches("".join(texts[t] for t in ids[: i + 1]), pattern) for i in range(len(ids))]
+        expected = prefix_hits.index(True) if True in prefix_hits else None
+        assert fired_at == expected, (pattern, [texts[t] for t in ids])
+
+
+def test_stop_strings_end_generation(tmp_path):
+    build("llama", tmp_path, vocab_size=49152)
+    model = car_jax.load_model(tmp_path)
+    tok = car_jax.load_tokenizer(smollm2_gguf())
+    texts = token_texts(tok)
+    kwargs = dict(max_new_tokens=40, sampler=Sampler(1.0), seed=3, eos=np.array([], np.int32))
+    free = generate_ids(model, tok, [tok("hello")["input_ids"]], **kwargs).tokens[0]
+    stop = texts[free[6]]  # a string the free run is known to produce
+    assert stop.strip()
+    expected = next(i for i in range(40) if stop in "".join(texts[t] for t in free[: i + 1]))
+    out = generate_ids(model, tok, [tok("hello")["input_ids"]], stop=[stop], **kwargs)
+    # same seed, same draws: the stopped run is the free run cut right after the stop
+    assert out.stopped[0] and not out.eos[0] and out.pattern[0] == 0
+    assert int(out.length[0]) == expected + 1
+    np.testing.assert_array_equal(out.tokens[0, : expected + 1], free[: expected + 1])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    build("qwen2", folder, vocab_size=16)
+    return car_jax.load_model(folder)
+
+
+class _Tok:  # the minimum generate_ids needs from a tokenizer, for a 16-token vocabulary
+    pad_token_id = 0
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(16)}
+
+    def __len__(self):
+        return 16
+
+    def get_added_vocab(self):
+        return {}
+
+    def decode(self, ids):
+        return "".join(f"t{i}" for i in ids)
+
+
+def test_sampling_frequencies_match_softmax(tiny):
+    prompt = [3, 7, 1, 4]
+    temperature = 1.7
+    n = 4000
+    out = generate_ids(tiny, _Tok(), [prompt] * n, max_new_tokens=1, sampler=Sampler(temperature),
+                       eos=np.array([], np.int32), seed=0)
+    logits = np.asarray(tiny.logits(np.array([prompt])))[0, -1]
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    counts = np.bincount(out.tokens[:, 0], minlength=16)
+    # chi-square goodness of fit, 15 dof: the 0.999 quantile is 37.7
+    chi2 = ((counts - n * p) ** 2 / (n * p)).sum()
+    assert chi2 < 37.7
+    # recorded log-probs are those of the temperature-scaled policy
+    np.testing.assert_allclose(out.logp[:, 0], np.log(p)[out.tokens[:, 0]], atol=1e-5)
+
+
+def test_seed_reproducible(tiny):
+    kwargs = dict(max_new_tokens=12, sampler=Sampler(1.0, top_p=0.9, top_k=8), eos=np.array([], np.int32))
+    a = generate_ids(tiny, _Tok(), [[1, 2, 3], [4, 5]], seed=7, **kwargs)
+    b = generate_ids(tiny, _Tok(), [[1, 2, 3], [4, 5]], seed=7, **kwargs)
+    c = generate_ids(tiny, _Tok(), [[1, 2, 3], [4, 5]], seed=8, **kwargs)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert (a.tokens != c.tokens).any()
+
+
+def test_truncate_matches_numpy():
+    """top-k first, then the nucleus of the renormalised top-k distribution (the order
+    transformers applies its warpers in)."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 20)).astype(np.float32) * 2
+    for top_k, top_p in [(5, 1.0), (0, 0.7), (4, 0.5), (0, 0.05)]:
+        kept = np.asarray(truncate(jnp.asarray(logits), top_k, top_p)) > -1e30
+        for row, keep in zip(logits, kept):
+            order = np.argsort(-row)
+            if top_k:
+                order = order[:top_k]
+            allowed = set(order)
+            probs = np.exp(row[order] - row.max())
+            probs /= probs.sum()
+            mass_before = np.concatenate([[0], np.cumsum(probs)[:-1]])
+            nucleus = set(order[mass_before < top_p])
+            assert set(np.flatnonzero(keep)) == allowed & nucleus
+
+
+def test_top_k_one_is_greedy(tiny):
+    prompts = [[1, 2, 3], [9, 9]]
+    greedy = generate_ids(tiny, _Tok(), prompts, max_new_tokens=8, eos=np.array([], np.int32))
+    top1 = generate_ids(tiny, _Tok(), prompts, max_new_tokens=8, sampler=Sampler(1.3, top_k=1),
+                        eos=np.array([], np.int32), seed=5)
+    np.testing.assert_array_equal(greedy.tokens, top1.tokens)
+
+
+def test_bad_sampler_settings_are_refused():
+    for kwargs, field in [({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k")]:
+        with pytest.raises(ValueError, match=field):
+            Sampler(**kwargs)
+
+
+def test_generate_text_api(smollm2_hf):
+    model = car_jax.load_model(smollm2_hf)
+    tok = car_jax.load_tokenizer(smollm2_hf)
+    [text] = generate(model, tok, [[{"role": "user", "content": "What is the capital of France?"}]],
+                      max_new_tokens=24)
+    assert "Paris" in text

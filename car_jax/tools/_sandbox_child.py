@@ -1,0 +1,174 @@
+"""Runs inside the sandbox process (standard library only; never imported by car_jax).
+
+Invoked as `python -I -u -X utf8 _sandbox_child.py '<json settings>'` with the model's code
+on stdin, usually under `unshare` (see sandbox.py). Steps, in order:
+1. read the code from stdin, then point stdin at /dev/null;
+2. with a private mount namespace (we are root inside it): re-expose the Python installation
+   if it sits under a directory the sandbox user may not enter (e.g. /root), then mount fresh
+   size-capped tmpfs on /tmp (the working dir is /tmp/work), /var/tmp and /dev/shm, so every
+   write lands in memory that vanishes with the namespace;
+3. resource limits (CPU seconds, address space, processes, file size, open files, no core);
+4. no_new_privs, then drop to the sandbox uid/gid when one is given (the parent was root);
+5. report "ready" on the status pipe and close every other descriptor;
+6. as PID 1 of a PID namespace, fork the program and reap until it ends (PID 1 ignores
+   most signals, the program must not); otherwise run the program in this process.
+The program runs as `__main__` from `main.py` with `final_answer(x)` predefined.
+"""
+import ctypes
+import json
+import os
+import resource
+import stat
+import sys
+import traceback
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC = 1, 2, 4, 32, 4096, 8192, 16384
+PR_SET_NO_NEW_PRIVS = 38
+SETUP_FAILED = 125
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else str(s).encode()  # noqa: E731
+    if _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+def _blocked(path):
+    """(first ancestor others cannot enter, its child on the way to path) or None."""
+    parts = os.path.realpath(path).split(os.sep)[1:]
+    current = "/"
+    for name in parts:
+        if not os.stat(current).st_mode & stat.S_IXOTH:
+            return current, os.path.join(current, name)
+        current = os.path.join(current, name)
+    return None
+
+
+def _expose_python(stash_dir):
+    """Make the interpreter's directories enterable: tmpfs over each closed ancestor, with
+    the needed child bind-mounted back read-only. Other contents of that ancestor vanish."""
+    needed = {p for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path] if os.path.isabs(p) and os.path.exists(p)}
+    for _ in range(4):  # nested closed directories are handled one level per round
+        groups = {}
+        for path in needed:
+            hit = _blocked(path)
+            if hit:
+                groups.setdefault(hit[0], set()).add(hit[1])
+        if not groups:
+            return
+        for ancestor, children in groups.items():
+            stashes = []
+            for i, child in enumerate(sorted(children)):
+                stash = os.path.join(stash_dir, f".expose{len(os.listdir(stash_dir))}_{i}")
+                os.mkdir(stash)
+                _mount(child, stash, None, MS_BIND | MS_REC)
+                stashes.append((os.path.basename(child), stash))
+            _mount("tmpfs", ancestor, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+            for name, stash in stashes:
+                target = os.path.join(ancestor, name)
+                os.mkdir(target)
+                _mount(stash, target, None, MS_MOVE)
+                _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    raise OSError(f"cannot make {sorted(needed)} readable for the sandbox user")
+
+
+def _private_scratch(cfg):
+    """Fresh tmpfs on /tmp, /var/tmp, /dev/shm; returns the working dir /tmp/work."""
+    python_dirs = [os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, *sys.path] if os.path.isabs(p)]
+    for scratch in ("/tmp", "/var/tmp", "/dev/shm"):
+        if not os.path.isdir(scratch) or any(p.startswith(scratch + "/") for p in python_dirs):
+            continue  # never hide the interpreter
+        _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={cfg['disk_mb']}m")
+    work = "/tmp/work"
+    os.mkdir(work, 0o700)
+    if cfg["uid"] is not None:
+        os.chown(work, cfg["uid"], cfg["gid"])
+    return work
+
+
+def _limits(cfg):
+    cpu, mem = cfg["cpu_s"], cfg["memory_mb"] << 20
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_NPROC, (cfg["max_procs"], cfg["max_procs"]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["max_file_mb"] << 20,) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (cfg["max_open_files"],) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _drop_privileges(cfg):
+    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    if cfg["uid"] is None:
+        return
+    os.setgroups([])
+    os.setgid(cfg["gid"])
+    os.setuid(cfg["uid"])
+    if os.getuid() != cfg["uid"] or os.geteuid() != cfg["uid"]:
+        raise OSError(f"still uid {os.geteuid()} after setuid({cfg['uid']})")
+
+
+def final_answer(result):
+    """SimpleTIR's helper: print the answer as \\boxed{result}."""
+    print(f"\\boxed{{{result}}}")
+
+
+def _run_program(source):
+    with open("main.py", "wb") as f:  # so tracebacks can show source lines
+        f.write(source)
+    try:
+        code = compile(source, "main.py", "exec")
+        exec(code, {"__name__": "__main__", "__builtins__": __builtins__, "final_answer": final_answer})
+    except SystemExit:
+        raise
+    except BaseException as err:  # noqa: BLE001 - report like the interpreter would
+        tb = err.__traceback__.tb_next if err.__traceback__ else None  # hide this frame
+        traceback.print_exception(type(err), err, tb)
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+
+
+def _reap(child):
+    """PID 1: wait for the program (reaping orphans), exit with its status."""
+    while True:
+        pid, status = os.wait()
+        if pid == child:
+            os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    source = sys.stdin.buffer.read()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    try:
+        if cfg["mounts"]:
+            if cfg["uid"] is not None:
+                _expose_python(cfg["stash_dir"])
+            work = _private_scratch(cfg)
+        else:
+            work = os.getcwd()
+        os.chdir(work)
+        os.environ.update(HOME=work, TMPDIR=work, MPLCONFIGDIR=work)
+        _limits(cfg)
+        _drop_privileges(cfg)
+    except Exception as err:  # noqa: BLE001
+        print(f"sandbox setup failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        os._exit(SETUP_FAILED)
+    os.write(cfg["status_fd"], b"ready")
+    os.closerange(3, 1 << 16)
+    if os.getpid() == 1:
+        try:
+            child = os.fork()
+        except BlockingIOError:  # process budget used up (shared per uid): run as PID 1
+            child = 0
+        if child:
+            _reap(child)
+    _run_program(source)
+
+
+if __name__ == "__main__":
+    main()

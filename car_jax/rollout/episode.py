@@ -1,0 +1,187 @@
+"""The episode loop: the one place where device generation and host tools alternate.
+
+    prefill(prompts) -> [decode segment (device) -> parse actions, call tools,
+    tokenize observations (host) -> prefill(pending token + observation)] x turns
+
+The KV cache lives across the whole episode: after a tool call only the new tokens
+(the row's pending last token and its observation) are prefilled; the history is never
+re-read. Every sampled token keeps its exact id and sampling log-prob; observation and
+prompt tokens get loss-mask 0.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from car_jax.rollout.decode import decode_segment, prefill
+from car_jax.rollout.generate import eos_ids, left_pad, prompt_texts, round_up
+from car_jax.rollout.protocols import ANSWER, INVALID, VOID, Action, SearchR1
+from car_jax.rollout.sampling import Sampler
+from car_jax.rollout.stops import stop_tables
+
+Tool = Callable[[list[str]], list[str]]  # batched: one result text per request
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeConfig:
+    max_turns: int = 4  # tool-using turns; then one answer-only turn
+    max_response_tokens: int = 500  # sampled tokens per turn
+    max_obs_tokens: int = 500  # observation tokens per turn (truncated beyond)
+    tool_timeout_s: float = 60.0  # per batched tool call
+    sampler: Sampler = Sampler(1.0, top_p=0.95)
+
+    def __post_init__(self):
+        for f in ("max_response_tokens", "max_obs_tokens"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"EpisodeConfig.{f}={getattr(self, f)} must be >= 1")
+        if self.max_turns < 0:
+            raise ValueError(f"EpisodeConfig.max_turns={self.max_turns} must be >= 0")
+
+
+@dataclasses.dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    response_ids: list[int] = dataclasses.field(default_factory=list)  # sampled + observation tokens
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # per response token, 0 for observations
+    loss_mask: list[int] = dataclasses.field(default_factory=list)  # 1: sampled by the model
+    n_turns: int = 0  # segments generated
+    n_tool_calls: int = 0
+    tool_log: list[dict] = dataclasses.field(default_factory=list)
+    observations: list[str] = dataclasses.field(default_factory=list)  # text appended after each turn
+    text: str = ""  # the response decoded (sampled and observation tokens)
+    answered: bool = False  # ended with an answer action (or EOS in the last turn)
+    void_turns: int = 0  # TIR turns with neither code nor answer
+
+    def add(self, ids, logps=None, sampled: bool = True):
+        ids = [int(i) for i in ids]
+        self.response_ids += ids
+        self.logprobs += [float(x) for x in logps] if sampled else [0.0] * len(ids)
+        self.loss_mask += [int(sampled)] * len(ids)
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+    seconds_device: float = 0.0
+    seconds_tools: float = 0.0
+    prefilled_tokens: int = 0  # tokens written by prefills (prompt + pending + observations)
+    sampled_tokens: int = 0
+
+
+def call_tool(tool: Tool, name: str, requests: list[str], timeout_s: float) -> list[tuple[str, str | None]]:
+    """Runs one batched tool call; returns (result text, error or None) per request.
+    An exception or a timeout becomes a result text instead of ending the episode."""
+    pool = cf.ThreadPoolExecutor(max_workers=1)
+    try:
+        results = pool.submit(tool, list(requests)).result(timeout=timeout_s)
+        if len(results) != len(requests):
+            raise RuntimeError(f"tool {name!r} returned {len(results)} results for {len(requests)} requests")
+        return [(str(r), None) for r in results]
+    except cf.TimeoutError:
+        err = f"{name} failed: timed out after {timeout_s:g} s"
+    except Exception as exc:  # noqa: BLE001 - any tool crash becomes an observation
+        err = f"{name} failed: {type(exc).__name__}: {exc}"
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return [(err, err)] * len(requests)
+
+
+def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
+                 config: EpisodeConfig = EpisodeConfig(), protocol=SearchR1(), seed: int = 0,
+                 stats: EpisodeStats | None = None) -> list[Trajectory]:
+    """Runs one episode per prompt (a string or chat messages; repeat a prompt G times
+    for a GRPO group). `tools` maps an action kind ("search", "code") to a batched tool.
+    Returns one Trajectory per prompt."""
+    stats = stats if stats is not None else EpisodeStats()
+    texts = prompt_texts(tokenizer, prompts)
+    prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    trajs = [Trajectory(p) for p in prompt_ids]
+    b = len(trajs)
+    pad = tokenizer.pad_token_id or 0
+    chunk_width = round_up(1 + config.max_obs_tokens)
+    width = round_up(max(len(p) for p in prompt_ids))
+    capacity = width + (config.max_turns + 1) * config.max_response_tokens + config.max_turns * chunk_width
+    eos = jnp.asarray(eos_ids(model, tokenizer))
+    tables = jnp.asarray(stop_tables(tokenizer, protocol.stops))
+    final_tables = jnp.asarray(stop_tables(tokenizer, protocol.final_stops))
+    key = jax.random.key(seed)
+
+    t0 = time.perf_counter()
+    tokens, valid = left_pad(prompt_ids, width, pad)
+    cache = model.init_cache(b, capacity)
+    logits, cache = prefill(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid))
+    stats.prefilled_tokens += int(valid.sum())
+    active = np.ones(b, bool)
+    for turn in range(config.max_turns + 1):
+        final = turn == config.max_turns
+        key, sub = jax.random.split(key)
+        out, cache = decode_segment(model.module, config.sampler, config.max_response_tokens, model.params,
+                                    cache, logits, jnp.asarray(active),
+                                    eos, final_tables if final else tables, sub)
+        out = jax.tree.map(np.asarray, out)
+        stats.seconds_device += time.perf_counter() - t0
+
+        actions: dict[int, Action] = {}
+        for i in np.flatnonzero(active):
+            n = int(out.length[i])
+            trajs[i].add(out.tokens[i, :n], out.logp[i, :n])
+            trajs[i].n_turns += 1
+            stats.sampled_tokens += n
+            action = protocol.parse(tokenizer.decode(out.tokens[i, :n], skip_special_tokens=True))
+            trajs[i].void_turns += action.kind == VOID
+            # Search-R1: only an answer (or the last turn) ends an episode; an invalid
+            # action is answered with a message even after EOS. A void TIR turn that
+            # ended in EOS has nothing left to do.
+            if action.kind == ANSWER or final or (action.kind == VOID and out.eos[i]):
+                trajs[i].answered = action.kind == ANSWER
+                active[i] = False
+                continue
+            actions[int(i)] = action
+        if not active.any():
+            break
+
+        t1 = time.perf_counter()
+        results = _run_tools(actions, tools, config.tool_timeout_s, trajs)
+        stats.seconds_tools += time.perf_counter() - t1
+
+        t0 = time.perf_counter()
+        chunks = [[] for _ in range(b)]
+        for i, action in actions.items():
+            obs = protocol.observation(action, results.get(i, ""))
+            obs_ids = tokenizer(obs, add_special_tokens=False)["input_ids"][: config.max_obs_tokens] if obs else []
+            pending = [int(out.tokens[i, out.length[i] - 1])] if out.stopped[i] else []
+            trajs[i].add(obs_ids, sampled=False)
+            trajs[i].observations.append(obs)
+            chunks[i] = pending + obs_ids
+            if not chunks[i]:  # a void turn cut by the budget: nothing new to condition on
+                active[i] = False
+        if not active.any():
+            break
+        tokens, valid = left_pad(chunks, chunk_width, pad)
+        logits, cache = prefill(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid))
+        stats.prefilled_tokens += int(valid.sum())
+    for traj in trajs:
+        traj.text = tokenizer.decode(traj.response_ids, skip_special_tokens=True)
+    return trajs
+
+
+def _run_tools(actions: dict[int, Action], tools: dict[str, Tool], timeout_s: float,
+               trajs: list[Trajectory]) -> dict[int, str]:
+    """Calls each tool once for all rows that asked for it; logs every call."""
+    results: dict[int, str] = {}
+    for i, a in actions.items():
+        if a.kind not in tools and a.kind not in (VOID, INVALID):
+            results[i] = f"{a.kind} failed: no tool named {a.kind!r} in this run (have {sorted(tools)})"
+    for name in sorted({a.kind for a in actions.values()} & set(tools)):
+        rows = [i for i, a in actions.items() if a.kind == name]
+        outs = call_tool(tools[name], name, [actions[i].payload for i in rows], timeout_s)
+        for i, (text, err) in zip(rows, outs):
+            results[i] = text
+            trajs[i].n_tool_calls += 1
+            trajs[i].tool_log.append({"tool": name, "request": actions[i].payload, "result": text, "error": err})
+    return results

@@ -1,0 +1,68 @@
+"""Action protocols: how a segment of model text becomes an action, and how a tool's
+result is written back as an observation. Host-side string handling only.
+
+SearchR1 (evidence tool): the first `<search>q</search>` or `<answer>a</answer>` in the
+segment decides; anything else is an invalid action, answered with a fixed message.
+TIR (verification tool, SimpleTIR style): a `\\boxed{` ends the episode; else the first
+fenced Python block is run; a turn with neither is *void*.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Sequence
+
+ANSWER, INVALID, VOID = "answer", "invalid", "void"
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    kind: str  # ANSWER, INVALID, VOID, or a tool name ("search", "code")
+    payload: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchR1:
+    """`<search>` / `<answer>` tags; observations in `<information>` blocks."""
+    stops: tuple = ("</search>", "</answer>")
+    final_stops: tuple = ("</answer>",)  # the answer-only last turn
+    invalid_message: str = ("\nThat was not a valid action. Put a search query inside <search> </search>, "
+                            "or the final answer inside <answer> </answer>.\n")
+    _pattern = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+    def parse(self, text: str) -> Action:
+        m = self._pattern.search(text)
+        if m is None:
+            return Action(INVALID)
+        return Action("search" if m.group(1) == "search" else ANSWER, m.group(2).strip())
+
+    def observation(self, action: Action, result: str) -> str:
+        if action.kind == INVALID:
+            return self.invalid_message
+        return f"\n\n<information>{result.strip()}</information>\n\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class TIR:
+    """Fenced Python blocks run by the code tool; `\\boxed{...}` is the final answer.
+    The stop for an answer is the first `}` after `\\boxed{`: a nested brace ends the
+    segment early, and the answer text is still read from the full trajectory."""
+    stops: tuple = (("```python", "```"), ("\\boxed{", "}"))
+    final_stops: tuple = (("\\boxed{", "}"),)
+    _code = re.compile(r"```python\n?(.*?)```", re.DOTALL)
+
+    def parse(self, text: str) -> Action:
+        if "\\boxed{" in text:
+            return Action(ANSWER)
+        m = self._code.search(text)
+        return Action("code", m.group(1)) if m else Action(VOID)
+
+    def observation(self, action: Action, result: str) -> str:
+        if action.kind == VOID:
+            return ""
+        # the code tool already formats "Code execution result: <stdout>" (512 chars max)
+        return f"\n```output\n{result}\n```\n"
+
+
+def tool_names(actions: Sequence[Action]) -> set[str]:
+    return {a.kind for a in actions if a.kind not in (ANSWER, INVALID, VOID)}

@@ -4,12 +4,14 @@ Invoked as `python -I -u -X utf8 _sandbox_child.py '<json settings>'` with the m
 on stdin, usually under `unshare` (see sandbox.py). Steps, in order:
 1. read the code from stdin, then point stdin at /dev/null;
 2. with a private mount namespace (we are root inside it): re-expose the Python installation
-   if it sits under a directory the sandbox user may not enter (e.g. /root), then mount fresh
-   size-capped tmpfs on /tmp (the working dir is /tmp/work), /var/tmp and /dev/shm, so every
-   write lands in memory that vanishes with the namespace;
+   if it sits under a directory the sandbox user may not enter (e.g. /root), remount every
+   filesystem read-only, then mount fresh size-capped tmpfs on /tmp (the working dir is
+   /tmp/work), /var/tmp and /dev/shm, so every write lands in memory that vanishes with the
+   namespace;
 3. resource limits (CPU seconds, address space, processes, file size, open files, no core);
 4. no_new_privs, then drop to the sandbox uid/gid when one is given (the parent was root);
-5. report "ready" on the status pipe and close every other descriptor;
+5. report "ready" on the status pipe (" read-only-partial" appended when some filesystem
+   refused the read-only remount) and close every other descriptor;
 6. as PID 1 of a PID namespace, fork the program and reap until it ends (PID 1 ignores
    most signals, the program must not); otherwise run the program in this process.
 The program runs as `__main__` from `main.py` with `final_answer(x)` predefined.
@@ -22,7 +24,11 @@ import stat
 import sys
 import traceback
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC = 1, 2, 4, 32, 4096, 8192, 16384
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE, MS_REC, MS_RELATIME = 1024, 2048, 4096, 8192, 16384, 1 << 21
+# statvfs f_flag bit -> mount flag, to keep each mount's flags when remounting it read-only
+_KEEP = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC,
+         os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME, os.ST_RELATIME: MS_RELATIME}
 PR_SET_NO_NEW_PRIVS = 38
 SETUP_FAILED = 125
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -72,6 +78,24 @@ def _expose_python(stash_dir):
                 _mount(stash, target, None, MS_MOVE)
                 _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     raise OSError(f"cannot make {sorted(needed)} readable for the sandbox user")
+
+
+def _read_only_everything():
+    """Remount every mount of this namespace read-only (kernel filesystems aside); returns
+    the mount points that refused (possible inside an unprivileged user namespace)."""
+    with open("/proc/self/mountinfo") as f:
+        points = {line.split()[4].replace("\\040", " ") for line in f}
+    refused = []
+    for point in sorted(points):
+        if point.split("/")[1] in ("proc", "sys", "dev"):
+            continue  # private /proc; /sys is root-only; device nodes ignore read-only mounts
+        try:
+            flags = os.statvfs(point).f_flag
+            keep = sum(ms for st, ms in _KEEP.items() if flags & st)
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+        except OSError:
+            refused.append(point)
+    return refused
 
 
 def _private_scratch(cfg):
@@ -144,10 +168,12 @@ def main():
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+    refused = []
     try:
         if cfg["mounts"]:
             if cfg["uid"] is not None:
                 _expose_python(cfg["stash_dir"])
+            refused = _read_only_everything()
             work = _private_scratch(cfg)
         else:
             work = os.getcwd()
@@ -158,7 +184,7 @@ def main():
     except Exception as err:  # noqa: BLE001
         print(f"sandbox setup failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         os._exit(SETUP_FAILED)
-    os.write(cfg["status_fd"], b"ready")
+    os.write(cfg["status_fd"], b"ready" + b" read-only-partial" * bool(refused))
     os.closerange(3, 1 << 16)
     if os.getpid() == 1:
         try:

@@ -12,9 +12,10 @@ What is isolated (Linux; each call is a fresh process tree):
   whose loopback is down, so no connection to anything, 127.0.0.1 included;
 - processes seen and left behind, with namespaces: a PID namespace; when the program ends
   the kernel kills everything it started, even daemons that left the process group;
-- files, with namespaces: a private mount namespace in which /tmp, /var/tmp and /dev/shm
-  are fresh size-capped tmpfs (the working dir is /tmp/work); nothing written there reaches
-  the host and all of it vanishes at exit. When Python lives under a directory the sandbox
+- files, with namespaces: a private mount namespace in which every filesystem is read-only
+  and /tmp, /var/tmp and /dev/shm are fresh size-capped tmpfs (the working dir is
+  /tmp/work); nothing the program writes reaches the host and all of it vanishes at exit
+  (SysV/POSIX IPC objects too: a private IPC namespace). When Python lives under a directory the sandbox
   uid cannot enter (e.g. /root/.pyenv), that directory is replaced by an empty tmpfs with
   only the Python tree bind-mounted back read-only (the rest of /root is hidden);
 - environment: a scrubbed one (PATH, LANG, HOME/TMPDIR = the working dir, one BLAS thread),
@@ -66,8 +67,8 @@ class SandboxConfig:
     disk_mb: int = 64  # size of each private tmpfs (namespaces only)
     max_open_files: int = 256
     max_code_bytes: int = 1 << 20
-    uid: int = 65534  # identity of the program when the trainer is root
-    gid: int = 65534
+    uid: int | None = 65534  # identity of the program when the trainer is root; None keeps
+    gid: int = 65534  # root (unsafe: the program could signal the trainer, and NPROC is void)
     isolation: str = "auto"  # "auto": best available | "namespaces": required | "none"
     python: str | None = None  # interpreter; default the trainer's (sys.executable)
 
@@ -100,7 +101,7 @@ class _Isolation:
     mounts: bool  # the launcher may mount (private mount namespace, root inside it)
 
 
-_FULL = ("--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc")
+_FULL = ("--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc")
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,7 +113,7 @@ def probe_isolation(mode: str = "auto") -> _Isolation:
         return none
     user = () if os.geteuid() == 0 else ("--user", "--map-root-user")
     candidates = [
-        (user + _FULL, ("net", "mount", "pid"), True),
+        (user + _FULL, ("net", "mount", "pid", "ipc"), True),
         (user + ("--net",), ("net",), False),
     ]
     for flags, names, mounts in candidates if unshare else []:
@@ -166,11 +167,12 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> SandboxRes
         return SandboxResult("", f"CodeTooLong: {len(source)} bytes > {config.max_code_bytes}", 1)
     iso = probe_isolation(config.isolation)
     python = config.python or sys.executable
-    drop = os.geteuid() == 0
+    drop = os.geteuid() == 0 and config.uid is not None
     if drop and not iso.mounts and _closed_to_others([sys.base_prefix, sys.prefix]):
         raise SandboxError(
             f"the interpreter under {sys.base_prefix} is not readable by uid {config.uid} and mount "
-            "namespaces are unavailable to re-expose it: install Python in a world-readable place"
+            "namespaces are unavailable to re-expose it: install Python in a world-readable place "
+            "(or, unsafely, keep root with SandboxConfig(uid=None))"
         )
     hostdir = tempfile.mkdtemp(prefix="car_jax_sandbox_")
     if drop:
@@ -201,16 +203,18 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> SandboxRes
         out, err, timed_out, limited = _collect(proc, start + config.timeout_s, config.max_output_bytes)
     finally:
         _terminate(proc, "pid" in iso.names)
-        ready = os.read(status_r, 16) == b"ready"
+        status = os.read(status_r, 64)
         os.close(status_r)
         for stream in (proc.stdout, proc.stderr):
             stream.close()
         shutil.rmtree(hostdir, ignore_errors=True)
     code_ = None if (timed_out or limited) else _exit_code(proc.returncode)
     stderr = err.decode("utf-8", "replace")
-    if not ready and not timed_out:
+    if not status.startswith(b"ready") and not timed_out:
         raise SandboxError(f"sandbox setup failed (exit {proc.returncode}): {stderr.strip()[-2000:]}")
     names = (("uid",) if drop else ()) + iso.names
+    if b"read-only-partial" in status:  # some host filesystem stayed writable
+        names = tuple("mount(partial)" if n == "mount" else n for n in names)
     return SandboxResult(
         stdout=out.decode("utf-8", "replace"), stderr=stderr, exit_code=code_, timed_out=timed_out,
         output_limited=limited, duration_s=time.monotonic() - start, isolation=",".join(names) or "none",

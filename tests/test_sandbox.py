@@ -1,0 +1,226 @@
+"""Python sandbox: each hostile program ends within its limit with a clear observation and
+leaves nothing behind (no process, no file outside its private working dir)."""
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from car_jax.tools import sandbox
+from car_jax.tools.python_tool import (
+    MAX_OBSERVATION_CHARS,
+    PythonTool,
+    extract_code,
+    format_observation,
+    truncate_middle,
+)
+from car_jax.tools.sandbox import SandboxConfig, SandboxError, run_python
+
+CFG = SandboxConfig(timeout_s=3, memory_mb=512, max_procs=32)
+ROOT = os.geteuid() == 0
+# what this machine allows; where a namespace is missing the result must say so instead
+NAMESPACES = set(sandbox.probe_isolation().names)
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """Runs the sandbox and checks afterwards that its temp dir is gone and that no process
+    carrying that dir in its command line (the launcher and all its forks) is alive."""
+    made = []
+    real = sandbox.tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", mkdtemp)
+
+    def run(code, config=CFG):
+        result = run_python(code, config)
+        hostdir = made[-1]
+        assert not os.path.exists(hostdir), "temp dir left behind"
+        strays = []
+        for proc in psutil.process_iter(["cmdline", "uids", "status"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if hostdir in cmdline:
+                strays.append((proc.pid, proc.info["status"], cmdline[:80]))
+        assert not strays, f"processes left behind: {strays}"
+        return result, format_observation(result, config)
+
+    return run
+
+
+def test_plain_program_and_final_answer(traced):
+    result, obs = traced("import numpy as np, sympy\nprint(np.arange(4).sum())\nfinal_answer(sympy.sqrt(8))")
+    assert result.ok and obs == "Code execution result: 6\n\\boxed{2*sqrt(2)}\n"
+    assert result.isolation.split(",") == ["uid"] * ROOT + [n for n in ("net", "mount", "pid", "ipc") if n in NAMESPACES]
+
+
+def test_infinite_loop_hits_the_wall_clock(traced):
+    result, obs = traced("while True:\n    pass")
+    assert result.timed_out and result.exit_code is None and not result.ok
+    assert obs == "Code execution result: TimeoutError: execution exceeded the time limit of 3 s"
+
+
+def test_cpu_limit_kills_a_busy_program(traced):
+    result, obs = traced("while True:\n    pass", SandboxConfig(timeout_s=60, cpu_s=1))
+    assert not result.timed_out and result.exit_code == 128 + 24  # SIGXCPU
+    assert obs == "Code execution result: killed by SIGXCPU (CPU time limit)"
+
+
+def test_memory_bomb(traced):
+    result, obs = traced("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))")
+    assert result.exit_code == 1 and obs == "Code execution result: MemoryError"
+
+
+def test_process_flood_is_bounded(traced):
+    code = ("import os, time\n"
+            "for i in range(2000):\n"
+            "    if os.fork() == 0:\n"
+            "        time.sleep(60)\n"
+            "        os._exit(0)\n"
+            "print('forked all')\n")
+    result, obs = traced(code)
+    assert result.exit_code == 1 and "forked all" not in result.stdout
+    assert obs == "Code execution result: BlockingIOError: [Errno 11] Resource temporarily unavailable"
+
+
+def test_daemon_that_leaves_the_process_group_dies_too(traced):
+    result, obs = traced("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')")
+    assert result.ok and obs == "Code execution result: parent done\n"
+
+
+def test_100_mb_of_output_is_capped(traced):
+    result, obs = traced("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)")
+    assert result.output_limited and not result.ok
+    assert len(result.stdout) == CFG.max_output_bytes and set(result.stdout) == {"x"}
+    assert obs == f"Code execution result: OutputLimitError: output exceeded {CFG.max_output_bytes} bytes"
+
+
+def test_syntax_error(traced):
+    result, obs = traced("def f(:\n    return 1")
+    assert result.exit_code == 1 and obs == "Code execution result: SyntaxError: invalid syntax"
+    assert 'File "main.py", line 1' in result.stderr
+
+
+def test_runtime_error_reports_last_stderr_line(traced):
+    result, obs = traced("print('partial')\nimport sys\nprint('warning', file=sys.stderr)\n1 / 0")
+    assert obs == "Code execution result: ZeroDivisionError: division by zero"
+    assert 'File "main.py", line 4' in result.stderr and "_sandbox_child" not in result.stderr
+
+
+def test_invalid_utf8_output_is_replaced(traced):
+    result, obs = traced("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe bytes \\xc3\\xa9\\n')")
+    assert result.ok and obs == "Code execution result: \ufffd\ufffd bytes \u00e9\n"
+
+
+def test_writes_outside_the_work_dir_do_not_reach_the_host(traced, tmp_path):
+    name = f"car_jax_escape_{uuid.uuid4().hex}"
+    tmp_path.chmod(0o777)  # even a world-writable host dir must stay untouched
+    code = (f"import errno, os\n"
+            f"open('/tmp/{name}', 'w').write('x')\n"
+            f"open('../{name}', 'w').write('x')\n"
+            f"open(os.path.expanduser('~/{name}'), 'w').write('x')\n"
+            f"for target in ['{tmp_path}/{name}', '{Path.cwd()}/{name}']:\n"
+            f"    try:\n"
+            f"        open(target, 'w').write('x')\n"
+            f"        print('wrote', target)\n"
+            f"    except OSError as err:\n"
+            f"        print(errno.errorcode[err.errno])\n"
+            f"print(os.getcwd())\n")
+    result, obs = traced(code)
+    assert result.ok, result.stderr
+    if "mount" not in NAMESPACES:  # shared /tmp: the run must at least report it
+        assert "mount" not in result.isolation
+        return
+    assert not Path("/tmp", name).exists() and not (tmp_path / name).exists()
+    assert not (Path.cwd() / name).exists() and not Path("/var/tmp", name).exists()
+    # host dirs are not visible in the private /tmp; every other filesystem is read-only
+    out = result.stdout.split()
+    assert out[0] == "ENOENT" and out[1] in ("EACCES", "EROFS") and out[2] == "/tmp/work"
+
+
+def test_killing_the_parent_or_the_trainer_fails(traced):
+    me = os.getpid()
+    code = ("import os, signal\n"
+            f"for pid in (os.getppid(), {me}, 1):\n"
+            "    try:\n"
+            "        os.kill(pid, signal.SIGKILL)\n"
+            "    except OSError as err:\n"
+            "        print(pid, type(err).__name__)\n"
+            "print('still here')\n")
+    result, obs = traced(code)
+    assert psutil.pid_exists(me)
+    assert result.ok and result.stdout.strip().endswith("still here")
+
+
+def test_no_network_not_even_loopback(traced):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        result, obs = traced(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
+        if "net" not in NAMESPACES:  # no network namespace here: the run must report it
+            assert "net" not in result.isolation
+            return
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    assert "net" in result.isolation.split(",")
+    assert obs == "Code execution result: OSError: [Errno 101] Network is unreachable"
+
+
+def test_scrubbed_environment_and_identity(traced, monkeypatch):
+    monkeypatch.setenv("CAR_JAX_SECRET_TOKEN", "hunter2")
+    result, _ = traced("import os, sys\nprint(os.getuid(), os.getgid(), os.getgroups())\n"
+                       "print(sorted(os.environ))\nprint(sys.stdin.read() == '')")
+    ids, env, stdin_empty = result.stdout.splitlines()
+    assert "CAR_JAX_SECRET_TOKEN" not in env and "hunter2" not in result.stdout
+    assert stdin_empty == "True"
+    if ROOT:
+        assert ids == "65534 65534 []"
+
+
+def test_code_too_long_and_none_isolation():
+    result = run_python("x = 1\n" * 10, SandboxConfig(max_code_bytes=20))
+    assert not result.ok and "CodeTooLong" in result.stderr
+    closed = sandbox._closed_to_others([sandbox.sys.base_prefix])
+    if ROOT and closed:  # nobody cannot enter the interpreter's dir and cannot be given access
+        with pytest.raises(SandboxError, match="not readable by uid 65534"):
+            run_python("print(1)", SandboxConfig(isolation="none"))
+    else:
+        result = run_python("print(1)", SandboxConfig(isolation="none"))
+        assert result.ok and "net" not in result.isolation
+
+
+def test_extract_code_follows_simpletir():
+    reply = "think\n```python\nprint(1)\n```\nmore\n```python\nprint(2)\n```"
+    assert extract_code(reply) == "print(1)"
+    assert extract_code("```py\nx = 2\nprint(x)\n```") == "x = 2\nprint(x)"
+    assert extract_code("```\nprint(3)\n```") == "print(3)"
+    assert extract_code("no code here \\boxed{4}") is None
+    assert extract_code("```bash\nls\n```") is None
+
+
+def test_truncate_middle():
+    text = "".join(chr(65 + i % 26) for i in range(5000))
+    cut = truncate_middle(text)
+    assert len(cut) == MAX_OBSERVATION_CHARS and cut[:100] == text[:100] and cut[-100:] == text[-100:]
+    assert "chars cut" in cut and truncate_middle("short") == "short"
+
+
+def test_pool_runs_a_turn_concurrently():
+    timed = [f"```python\nimport time\nt0 = time.time()\ntime.sleep(1)\nprint(t0, time.time(), {i})\n```"
+             for i in range(4)]
+    timed.insert(2, "I will answer directly: \\boxed{7}")
+    with PythonTool(SandboxConfig(timeout_s=20), max_workers=4) as tool:
+        results = tool.run([extract_code(r) for r in timed])
+        observations = tool.observe(["```python\nprint(6 * 7)\n```", "\\boxed{7}", "```py\n1/0\n```"])
+    assert [r is None for r in results] == [False, False, True, False, False]
+    spans = [[float(x) for x in r.stdout.split()] for r in results if r is not None]
+    assert [int(span[2]) for span in spans] == [0, 1, 2, 3]  # order kept
+    assert max(s[0] for s in spans) < min(s[1] for s in spans)  # all four slept at once
+    assert observations == ["Code execution result: 42\n", None,
+                            "Code execution result: ZeroDivisionError: division by zero"]

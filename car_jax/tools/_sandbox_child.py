@@ -55,7 +55,9 @@ def _blocked(path):
 def _expose_python(stash_dir):
     """Make the interpreter's directories enterable: tmpfs over each closed ancestor, with
     the needed child bind-mounted back read-only. Other contents of that ancestor vanish."""
-    needed = {p for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path] if os.path.isabs(p) and os.path.exists(p)}
+    needed = {p for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]
+              if os.path.isabs(p) and os.path.exists(p)}
+    stash_count = 0
     for _ in range(4):  # nested closed directories are handled one level per round
         groups = {}
         for path in needed:
@@ -66,8 +68,9 @@ def _expose_python(stash_dir):
             return
         for ancestor, children in groups.items():
             stashes = []
-            for i, child in enumerate(sorted(children)):
-                stash = os.path.join(stash_dir, f".expose{len(os.listdir(stash_dir))}_{i}")
+            for child in sorted(children):
+                stash = os.path.join(stash_dir, f".expose{stash_count}")
+                stash_count += 1
                 os.mkdir(stash)
                 _mount(child, stash, None, MS_BIND | MS_REC)
                 stashes.append((os.path.basename(child), stash))

@@ -50,7 +50,9 @@ def load_bm25(folder: str | Path):
 
     path = Path(folder) / BM25_DIR
     if not path.is_dir():
-        raise FileNotFoundError(f"no BM25 index at {path}; build one with `car-jax build-index --backend bm25`")
+        raise FileNotFoundError(
+            f"no BM25 index at {path}; build one with `car-jax build-index --backend bm25`"
+        )
     return bm25s.BM25.load(str(path), show_progress=False)
 
 

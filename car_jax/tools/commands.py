@@ -80,9 +80,12 @@ def _load(args):
     if args.index:
         meta = read_meta(args.index)
         encoder = _make_encoder(args) if args.encoder and meta["backend"] == "dense" else None
-        return load_retriever(args.index, encoder=encoder), {"backend": meta["backend"], "num_docs": meta["num_docs"]}
+        info = {"backend": meta["backend"], "num_docs": meta["num_docs"]}
+        return load_retriever(args.index, encoder=encoder), info
     if not (args.faiss_index and args.corpus and args.encoder):
-        raise SystemExit("serve-retriever needs --index DIR, or --faiss-index, --corpus and --encoder together")
+        raise SystemExit(
+            "serve-retriever needs --index DIR, or --faiss-index, --corpus and --encoder together"
+        )
     from car_jax.tools.corpus import DocStore
     from car_jax.tools.dense import DenseRetriever, load_index
 

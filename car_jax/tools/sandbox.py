@@ -118,7 +118,8 @@ def probe_isolation(mode: str = "auto") -> _Isolation:
     ]
     for flags, names, mounts in candidates if unshare else []:
         try:
-            ok = subprocess.run([unshare, *flags, "--", "true"], capture_output=True, timeout=10).returncode == 0
+            probe = subprocess.run([unshare, *flags, "--", "true"], capture_output=True, timeout=10)
+            ok = probe.returncode == 0
         except (OSError, subprocess.TimeoutExpired):
             ok = False
         if ok and (mode == "auto" or mounts):

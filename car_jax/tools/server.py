@@ -120,7 +120,9 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
     if topk is None:
         topk = limits.default_topk
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= limits.max_topk:
-        raise _BadRequest(HTTPStatus.BAD_REQUEST, f"'topk' must be an int in [1, {limits.max_topk}], got {topk!r}")
+        raise _BadRequest(
+            HTTPStatus.BAD_REQUEST, f"'topk' must be an int in [1, {limits.max_topk}], got {topk!r}"
+        )
     return_scores = req.get("return_scores", False)
     if not isinstance(return_scores, bool):
         raise _BadRequest(HTTPStatus.BAD_REQUEST, "'return_scores' must be true or false")
@@ -228,7 +230,9 @@ class RetrievalServer:
         return f"http://{host}:{port}"
 
     def start(self) -> "RetrievalServer":
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="retrieval-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="retrieval-server", daemon=True
+        )
         self._thread.start()
         return self
 

@@ -212,7 +212,10 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> SandboxRes
     code_ = None if (timed_out or limited) else _exit_code(proc.returncode)
     stderr = err.decode("utf-8", "replace")
     if not status.startswith(b"ready") and not timed_out:
-        raise SandboxError(f"sandbox setup failed (exit {proc.returncode}): {stderr.strip()[-2000:]}")
+        raise SandboxError(
+            f"sandbox setup failed (exit {proc.returncode}): {stderr.strip()[-2000:]}; "
+            "SandboxConfig(isolation='none') runs without namespaces"
+        )
     names = (("uid",) if drop else ()) + iso.names
     if b"read-only-partial" in status:  # some host filesystem stayed writable
         names = tuple("mount(partial)" if n == "mount" else n for n in names)

@@ -218,9 +218,11 @@ def test_pool_runs_a_turn_concurrently():
     with PythonTool(SandboxConfig(timeout_s=20), max_workers=4) as tool:
         results = tool.run([extract_code(r) for r in timed])
         observations = tool.observe(["```python\nprint(6 * 7)\n```", "\\boxed{7}", "```py\n1/0\n```"])
+        as_tool = tool(["print('a')", "import sys; sys.exit(3)"])
     assert [r is None for r in results] == [False, False, True, False, False]
     spans = [[float(x) for x in r.stdout.split()] for r in results if r is not None]
     assert [int(span[2]) for span in spans] == [0, 1, 2, 3]  # order kept
     assert max(s[0] for s in spans) < min(s[1] for s in spans)  # all four slept at once
     assert observations == ["Code execution result: 42\n", None,
                             "Code execution result: ZeroDivisionError: division by zero"]
+    assert as_tool == ["Code execution result: a\n", "Code execution result: exit status 3"]

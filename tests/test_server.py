@@ -113,6 +113,7 @@ def test_client_matches_in_process_retriever(server, backend):
     remote, local = client.search(queries, 3), backend.search(queries, 3)
     assert [[d.id for d in r] for r in remote] == [[d.id for d in r] for r in local]
     assert client.observe(queries, 3) == backend.observe(queries, 3)
+    assert client(queries) == backend(queries) == backend.observe(queries, 3)  # the tool form
     assert normalize_url("http://h:1/") == "http://h:1/retrieve" == normalize_url("h:1/retrieve")
 
 

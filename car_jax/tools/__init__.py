@@ -10,6 +10,9 @@ the sandbox in particular needs nothing but the standard library.
 
     tool = PythonTool(SandboxConfig(timeout_s=5))
     tool.observe([model_reply, ...])                  # -> ["Code execution result: 42", None, ...]
+
+Both are batched tools for the episode loop: `retriever(queries)` and `tool(codes)` return one
+observation text per request.
 """
 from __future__ import annotations
 

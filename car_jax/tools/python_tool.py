@@ -85,6 +85,10 @@ class PythonTool:
         futures = [None if c is None else self._pool.submit(run_python, c, self.config) for c in codes]
         return [None if f is None else f.result() for f in futures]
 
+    def __call__(self, codes: Sequence[str]) -> list[str]:
+        """The batched tool form the episode loop calls: extracted code [B] -> observations [B]."""
+        return [format_observation(r, self.config) for r in self.run(list(codes))]
+
     def observe(self, replies: Sequence[str]) -> list[str | None]:
         """Model replies [B] -> observations [B]; None where a reply holds no code block."""
         results = self.run([extract_code(r) for r in replies])

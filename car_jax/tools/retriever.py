@@ -2,6 +2,7 @@
 
     retriever.search(queries: list[str], topk: int) -> list[list[Doc]]   # one list per query
     retriever.observe(queries, topk) -> list[str]                        # text for the model
+    retriever(queries) -> list[str]                                      # observe, topk 3
 
 `search` is batched over all rows of a turn. Queries are cleaned the same way everywhere:
 non-strings are rejected, whitespace is squeezed, and queries longer than `MAX_QUERY_CHARS`
@@ -69,6 +70,10 @@ class Retriever(abc.ABC):
         except SearchError as err:
             return [f"{SEARCH_FAILED_PREFIX}{err}" for _ in queries]
         return [render_docs(docs, strip_title_quotes) for docs in results]
+
+    def __call__(self, queries: Sequence[str], topk: int = 3) -> list[str]:
+        """The batched tool form the episode loop calls: queries [B] -> observations [B]."""
+        return self.observe(queries, topk)
 
     def close(self) -> None:
         """Release files, threads or connections (no-op by default)."""

@@ -54,8 +54,9 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, mask, layer_cache, index):
         """x [B, T, D]; positions int32[B, T]; mask bool[B, T, S'] (S' = S with a cache,
-        else T); layer_cache None or (k, v) each [B, S, K, H]; index int32[] write slot.
-        Returns (y [B, T, D], new layer cache or None)."""
+        else T); layer_cache None or (k, v, layer): the whole stacked cache [L, B, S, K, H]
+        (written in place at [layer, :, index]) and this layer's index; index int32[]
+        write slot. Returns (y [B, T, D], updated layer_cache or None)."""
         c = self.cfg
         n, k_heads, h, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
         q = jnp.einsum("BTD,DNH->BTNH", x, self._p("q", (d, n, h)))
@@ -74,12 +75,13 @@ class Attention(nn.Module):
         k = rope(k, positions, c.rope_theta)
 
         new_cache = None
-        if layer_cache is not None:
-            ck, cv = layer_cache
-            k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-            v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
-            new_cache = (k, v)
-            k, v = k.astype(self.dtype), v.astype(self.dtype)
+        if layer_cache is not None:  # (k_all, v_all [L, B, S, K, H], this layer's index)
+            ck, cv, layer = layer_cache
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], (layer, 0, index, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], (layer, 0, index, 0, 0))
+            new_cache = (ck, cv, layer)
+            k = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(self.dtype)
+            v = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(self.dtype)
 
         b, t = x.shape[:2]
         q = q.reshape(b, t, k_heads, c.n_groups, h)  # [B, T, K, G, H]
@@ -122,7 +124,8 @@ class Block(nn.Module):
     param_dtype: Dtype
 
     @nn.compact
-    def __call__(self, x, positions, mask, layer_cache, index):
+    def __call__(self, carry, positions, mask, index):
+        x, layer_cache = carry
         c = self.cfg
         ones = nn.initializers.ones
         h = rms_norm(x, self.param("input_norm", ones, (c.d_model,), self.param_dtype), c.norm_eps, self.dtype)
@@ -131,7 +134,9 @@ class Block(nn.Module):
         x = x + attn
         h = rms_norm(x, self.param("post_attn_norm", ones, (c.d_model,), self.param_dtype), c.norm_eps, self.dtype)
         x = x + Mlp(c, self.dtype, self.param_dtype, name="mlp")(h)
-        return x, new_cache
+        if new_cache is not None:
+            new_cache = (new_cache[0], new_cache[1], new_cache[2] + 1)
+        return (x, new_cache), None
 
 
 class Decoder(nn.Module):
@@ -139,6 +144,7 @@ class Decoder(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     remat: bool = False  # recompute each layer in the backward pass
+    unroll: int = 1  # layers per scan iteration (n_layers: fully unrolled)
 
     def setup(self):
         c = self.cfg
@@ -147,8 +153,9 @@ class Decoder(nn.Module):
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.n_layers,
+            unroll=self.unroll,
         )(c, self.dtype, self.param_dtype, name="layers")
         self.embed = self.param("embed", _init, (c.vocab_size, c.d_model), self.param_dtype)
         self.final_norm = self.param("final_norm", nn.initializers.ones, (c.d_model,), self.param_dtype)
@@ -180,12 +187,12 @@ class Decoder(nn.Module):
             keys_valid = jax.lax.dynamic_update_slice(cache.valid, valid, (0, index))  # [B, S]
             key_slot = jnp.arange(cache.capacity)
             query_slot = index + jnp.arange(t)
-            layer_cache = (cache.k, cache.v)
+            layer_cache = (cache.k, cache.v, jnp.zeros((), jnp.int32))
         causal = key_slot[None, :] <= query_slot[:, None]  # [T, S']
         mask = (causal[None] & keys_valid[:, None, :]) | (key_slot[None, :] == query_slot[:, None])[None]
 
         x = self.embed.astype(self.dtype)[tokens]  # [B, T, D]
-        x, new_kv = self.layers(x, positions, mask, layer_cache, index)
+        (x, new_kv), _ = self.layers((x, layer_cache), positions, mask, index)
         x = rms_norm(x, self.final_norm, self.cfg.norm_eps, self.dtype)
 
         new_cache = None

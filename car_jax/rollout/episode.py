@@ -162,7 +162,8 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
                 active[i] = False
         if not active.any():
             break
-        tokens, valid = left_pad(chunks, chunk_width, pad)
+        # pad to the longest new chunk of this turn (bucketed), not to the budget
+        tokens, valid = left_pad(chunks, round_up(max(len(c) for c in chunks)), pad)
         logits, cache = prefill(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid))
         stats.prefilled_tokens += int(valid.sum())
     for traj in trajs:

@@ -95,8 +95,12 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
         _, params = load_params_folder(path, shardings)
         params = jax.tree.map(lambda x: x.astype(storage), params)
     else:
-        source = GGUFFile(path) if _is_gguf(path) else SafetensorsFolder(path)
-        cfg = source.config if _is_gguf(path) else read_config(path)
+        if _is_gguf(path):
+            source = GGUFFile(path)
+            cfg = source.config
+        else:
+            cfg = read_config(path)
+            source = SafetensorsFolder(path)
         params = load_params(source, cfg, dtype=storage, mesh=mesh, mode=mode, progress=progress)
     module = Decoder(cfg, dtype=compute, param_dtype=storage, remat=remat)
     return Model(cfg, params, module, mesh, path)

@@ -42,6 +42,12 @@ class SearchR1:
         return f"\n\n<information>{result.strip()}</information>\n\n"
 
 
+def car_search() -> SearchR1:
+    """Search-R1 actions for CAR: the answer is followed by `<confidence>n</confidence>`,
+    so a segment holding the answer runs on to the end of the confidence tag."""
+    return SearchR1(stops=("</search>", "</confidence>"), final_stops=("</confidence>",))
+
+
 @dataclasses.dataclass(frozen=True)
 class TIR:
     """Fenced Python blocks run by the code tool; `\\boxed{...}` is the final answer.

@@ -1,0 +1,318 @@
+"""A toy GRPO world for studying calibration rewards (notebooks/reward_ablations.ipynb).
+
+Nothing here touches a language model: a "policy" answers questions of known difficulty and
+states a verbal confidence, and GRPO trains it under one of car_jax's rewards. Everything is
+pure and jitted (`lax.scan` over steps): a 600-step run takes about a second once compiled.
+
+Dimension letters: N questions in the pool, P prompts per step, G samples per prompt (one GRPO
+group), K confidence bins (the verbal confidence is an integer k in 0..K-1, q = k / (K - 1), so
+K = 101 is "0..100"), S steps, Q points of a q grid, M runs of a sweep.
+
+The policy (`Params`), for question n of difficulty d_n ~ N(difficulty_mean, difficulty_std^2):
+    self-knowledge  h_n = p_n = sigmoid(skill - d_n)                  (a learnable skill)
+    attempt         a ~ Bernoulli(sigmoid(attempt[0] + attempt[1] h_n))
+    answer          c ~ Bernoulli(p_n) if a, else c = 0                (no answer is wrong)
+    confidence      k ~ Categorical(conf_bias + conf_slope * (a ? h_n : 0)
+                                    + (a ? 0 : conf_abstain))
+Abstaining ("I don't know") is the cheapest way to be wrong with q = 0: under Brier at w = 1 it
+earns 0, exactly what a correct answer stated at q = 0 earns (the reward overlap, SPEC.md
+section 2.3). `SimConfig.abstain=False` removes the action, as a control.
+The confidence head reads h_n, the policy's own chance of being right, as an LLM's stated
+confidence reads the same hidden state as its answer; its gradient reaches `skill` through h_n.
+Logits linear in h can represent a peak at q = h exactly: -(q_k - h)^2 / t = -q_k^2 / t +
+(2 q_k / t) h + const. The initial head is a discretized Gaussian with mean init_conf_mean +
+init_conf_slope * h and width init_conf_width (an overconfident pretrained model); an
+abstention initially states q near 0.
+
+Training: one GRPO step per batch, on-policy, so the PPO ratio is 1, clipping is inactive and
+the loss reduces to -mean(A * log pi(a, c, k)) with A = (r - mean_G r) / (std_G(r, ddof=1) + eps)
+(SPEC.md section 2.5), or A = r - mean_G r with `std_normalize=False` (Dr.GRPO). Adam; the
+skill moves `skill_lr_scale` times slower than the heads (RL moves knowledge less than style);
+no KL or entropy term (there is no reference model here).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from car_jax import metrics, rewards
+
+# (correct bool[B], q f32[B]) -> r f32[B]: a reward with the format always valid.
+OutcomeReward = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """Static settings of one simulated run (hashable: shapes and flags, jit-static)."""
+
+    n_questions: int = 512  # N
+    difficulty_mean: float = 2.0  # d ~ N(mean, std^2); p = sigmoid(skill - d)
+    difficulty_std: float = 2.0
+    prompts_per_step: int = 64  # P
+    group_size: int = 8  # G
+    steps: int = 600  # S
+    lr: float = 0.05  # Adam step size
+    skill_lr_scale: float = 0.05  # the skill's step is lr * skill_lr_scale (knowledge moves slowly)
+    n_bins: int = 101  # K: verbal confidence 0..K-1
+    init_skill: float = 0.0
+    init_attempt_logit: float = 3.0  # P(attempt) = sigmoid(3) = 0.95 at the start
+    init_conf_mean: float = 0.6  # initial mean q = mean + slope * h (then clipped by [0, 1])
+    init_conf_slope: float = 0.3
+    init_conf_width: float = 0.15  # std of the initial discretized Gaussian over q
+    abstain: bool = True  # the policy may give no answer (always wrong)
+    std_normalize: bool = True  # GRPO divides by the group std; False: Dr.GRPO (mean only)
+    eps: float = 1e-6  # GRPO's std epsilon
+
+
+class Params(NamedTuple):
+    """The policy. skill f32[]; attempt f32[2] (bias, slope on h of the attempt logit);
+    conf_bias, conf_slope, conf_abstain f32[K] (confidence logits, see the module doc)."""
+
+    skill: jax.Array
+    attempt: jax.Array
+    conf_bias: jax.Array
+    conf_slope: jax.Array
+    conf_abstain: jax.Array
+
+
+def outcome_reward(cfg: rewards.RewardConfig) -> OutcomeReward:
+    """A `RewardConfig`'s reward as (correct bool[B], q f32[B]) -> f32[B], format always valid."""
+    fn = rewards.reward_fn(cfg)
+    return lambda correct, q: fn(correct, q, jnp.ones(jnp.shape(correct), bool))
+
+
+def expected_reward(reward: OutcomeReward, p, q) -> jax.Array:
+    """E[R] = p R(1, q) + (1 - p) R(0, q) for p f32[Pp] and q f32[Q] -> f32[Pp, Q]."""
+    q = jnp.asarray(q, jnp.float32)
+    right = reward(jnp.ones(q.shape, bool), q)  # f32[Q]
+    wrong = reward(jnp.zeros(q.shape, bool), q)  # f32[Q]
+    p = jnp.asarray(p, jnp.float32)[:, None]
+    return p * right + (1.0 - p) * wrong
+
+
+def numeric_q_star(reward: OutcomeReward, p, q) -> jax.Array:
+    """argmax over the grid q f32[Q] of E[R](p, q), for each p f32[Pp] -> f32[Pp].
+
+    Ties go to the smallest q (so a reward flat in q, like binary, reports q = 0).
+    """
+    return jnp.asarray(q, jnp.float32)[jnp.argmax(expected_reward(reward, p, q), axis=1)]
+
+
+def mscr_q_star(p, b1=1.0, b2=1.0) -> jax.Array:
+    """Analytic optimum of MSCR: q* = p b1 / (p b1 + (1 - p) b2), f32[...] -> f32[...].
+
+    Brier and weighted Brier (any w > 0) are proper: their q* = p, which is b1 = b2 here.
+    """
+    p = jnp.asarray(p, jnp.float32)
+    return p * b1 / (p * b1 + (1.0 - p) * b2)
+
+
+def group_advantages(r: jax.Array, eps: float = 1e-6, std_normalize: bool = True) -> jax.Array:
+    """GRPO advantages: r f32[P, G] -> (r - mean_G) / (std_G(ddof=1) + eps), f32[P, G];
+    with std_normalize=False (Dr.GRPO) just r - mean_G.
+
+    A group whose rewards are all equal gets A = 0: it carries no learning signal.
+    """
+    centered = r - jnp.mean(r, axis=1, keepdims=True)
+    if not std_normalize:
+        return centered
+    return centered / (jnp.std(r, axis=1, keepdims=True, ddof=1) + eps)
+
+
+def difficulties(cfg: SimConfig, key: jax.Array) -> jax.Array:
+    """The question pool: f32[N] difficulties, N(difficulty_mean, difficulty_std^2)."""
+    return cfg.difficulty_mean + cfg.difficulty_std * jax.random.normal(key, (cfg.n_questions,))
+
+
+def init_params(cfg: SimConfig) -> Params:
+    """The initial policy: skill = init_skill, mostly attempting, a discretized-Gaussian
+    confidence head whose mean rises with h (overconfident when init_conf_mean is high);
+    an abstention states q near 0."""
+    qk = jnp.linspace(0.0, 1.0, cfg.n_bins)  # f32[K]
+    t = 2.0 * cfg.init_conf_width**2
+    bias = -((qk - cfg.init_conf_mean) ** 2) / t
+    slope = 2.0 * cfg.init_conf_slope * qk / t  # shifts the peak by init_conf_slope * h
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    abstain = -(qk**2) / t - bias  # moves the peak to q = 0 for an abstention
+    return Params(f32(cfg.init_skill), f32([cfg.init_attempt_logit, 0.0]), f32(bias), f32(slope),
+                  f32(abstain))
+
+
+class Sample(NamedTuple):
+    """G draws for each of P questions: attempted, correct bool[P, G]; k int32[P, G] (q = k/(K-1))."""
+
+    attempted: jax.Array
+    correct: jax.Array
+    k: jax.Array
+
+
+def _heads(params: Params, d: jax.Array):
+    """d f32[P] -> (answer logit z f32[P], attempt logit f32[P], self-knowledge h f32[P])."""
+    z = params.skill - d
+    h = jax.nn.sigmoid(z)
+    attempt = params.attempt[0] + params.attempt[1] * h
+    return z, attempt, h
+
+
+def _conf_logits(params: Params, h: jax.Array, attempted: jax.Array) -> jax.Array:
+    """h f32[P], attempted bool[P, G] -> confidence logits f32[P, G, K]; an abstention reads
+    h = 0 (no answer cannot be right) plus its own offset conf_abstain."""
+    a = attempted[..., None]
+    return (params.conf_bias + params.conf_slope * jnp.where(a, h[:, None, None], 0.0)
+            + jnp.where(a, 0.0, params.conf_abstain))
+
+
+def sample(cfg: SimConfig, params: Params, d: jax.Array, key: jax.Array, g: int) -> Sample:
+    """Samples g (attempt, correctness, confidence) triples per question of d f32[P]."""
+    z, attempt, h = _heads(params, d)
+    ka, kc, kq = jax.random.split(key, 3)
+    shape = (d.shape[0], g)
+    attempted = jax.random.bernoulli(ka, jax.nn.sigmoid(attempt)[:, None], shape)
+    if not cfg.abstain:
+        attempted = jnp.ones(shape, bool)
+    correct = attempted & jax.random.bernoulli(kc, jax.nn.sigmoid(z)[:, None], shape)
+    k = jax.random.categorical(kq, _conf_logits(params, h, attempted))  # int32[P, G]
+    return Sample(attempted, correct, k.astype(jnp.int32))
+
+
+def log_prob(cfg: SimConfig, params: Params, d: jax.Array, s: Sample) -> jax.Array:
+    """log pi(attempt, c, k | question) for d f32[P] and a Sample of [P, G] -> f32[P, G]."""
+    z, attempt, h = _heads(params, d)
+    lp_a = jnp.where(s.attempted, jax.nn.log_sigmoid(attempt)[:, None],
+                     jax.nn.log_sigmoid(-attempt)[:, None])
+    if not cfg.abstain:
+        lp_a = jnp.zeros_like(lp_a)
+    lp_c = jnp.where(s.correct, jax.nn.log_sigmoid(z)[:, None], jax.nn.log_sigmoid(-z)[:, None])
+    lp_c = jnp.where(s.attempted, lp_c, 0.0)  # no answer, no correctness draw
+    logp_k = jax.nn.log_softmax(_conf_logits(params, h, s.attempted))  # f32[P, G, K]
+    lp_k = jnp.take_along_axis(logp_k, s.k[..., None], -1)[..., 0]
+    return lp_a + lp_c + lp_k
+
+
+def optimizer(cfg: SimConfig) -> optax.GradientTransformation:
+    """Adam at lr (as LLM RL uses; plain SGD would let the K bias logits crawl), the skill's
+    step scaled by skill_lr_scale."""
+    scale = Params(cfg.skill_lr_scale, 1.0, 1.0, 1.0, 1.0)
+    return optax.chain(optax.adam(cfg.lr),
+                       optax.stateless(lambda u, _: jax.tree.map(jnp.multiply, u, scale)))
+
+
+def grpo_step(cfg: SimConfig, reward: OutcomeReward, state: tuple[Params, optax.OptState],
+              pool: jax.Array, key: jax.Array):
+    """One GRPO step on P prompts drawn from the pool f32[N]: (params, opt_state) ->
+    ((params, opt_state), metrics of f32[]).
+
+    Metrics are over the P * G training samples: accuracy, ece, mean_confidence, reward,
+    attempt_rate, dead_groups (fraction of groups with zero reward spread, hence no signal),
+    and the skill after the step.
+    """
+    params, opt_state = state
+    kp, ks = jax.random.split(key)
+    d = pool[jax.random.randint(kp, (cfg.prompts_per_step,), 0, pool.shape[0])]  # f32[P]
+    s = sample(cfg, params, d, ks, cfg.group_size)  # [P, G] each
+    q = s.k.astype(jnp.float32) / (cfg.n_bins - 1)
+    r = reward(s.correct.reshape(-1), q.reshape(-1)).reshape(q.shape)  # f32[P, G]
+    adv = group_advantages(r, cfg.eps, cfg.std_normalize)
+
+    def loss(p: Params) -> jax.Array:
+        return -jnp.mean(adv * log_prob(cfg, p, d, s))
+
+    updates, opt_state = optimizer(cfg).update(jax.grad(loss)(params), opt_state)
+    params = optax.apply_updates(params, updates)
+    cal = metrics.calibration_arrays(s.correct.reshape(-1), q.reshape(-1))
+    out = {
+        "accuracy": cal["accuracy"],
+        "ece": cal["ece"],
+        "mean_confidence": cal["mean_confidence"],
+        "reward": jnp.mean(r),
+        "attempt_rate": jnp.mean(s.attempted),
+        "dead_groups": jnp.mean(jnp.all(r == r[:, :1], axis=1)),
+        "skill": params.skill,
+    }
+    return (params, opt_state), out
+
+
+def simulate(cfg: SimConfig, reward: OutcomeReward, key: jax.Array):
+    """A full run (pure; jit it, or call `run`). key -> (final Params, history {name: f32[S]},
+    pool f32[N]). The pool depends on `key` only, so runs with one key share their questions."""
+    k_pool, k_train = jax.random.split(key)
+    pool = difficulties(cfg, k_pool)
+
+    def body(state, k):
+        return grpo_step(cfg, reward, state, pool, k)
+
+    params = init_params(cfg)
+    state = (params, optimizer(cfg).init(params))
+    (params, _), hist = jax.lax.scan(body, state, jax.random.split(k_train, cfg.steps))
+    return params, hist, pool
+
+
+def evaluate(cfg: SimConfig, params: Params, pool: jax.Array, key: jax.Array,
+             samples: int = 16) -> dict[str, jax.Array]:
+    """Fresh samples, `samples` per question of the pool f32[N] -> metrics.calibration_arrays
+    over the N * samples (correct, q) pairs (dict of f32[])."""
+    s = sample(cfg, params, pool, key, samples)
+    q = s.k.astype(jnp.float32) / (cfg.n_bins - 1)
+    out = metrics.calibration_arrays(s.correct.reshape(-1), q.reshape(-1))
+    return {**out, "attempt_rate": jnp.mean(s.attempted)}
+
+
+def _run(cfg: SimConfig, reward: OutcomeReward, key: jax.Array):
+    params, hist, pool = simulate(cfg, reward, key)
+    final = evaluate(cfg, params, pool, jax.random.fold_in(key, 1))
+    return params, hist, final
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def run(cfg: SimConfig, reward: OutcomeReward, key: jax.Array):
+    """Jitted `simulate` + `evaluate`: -> (Params, history {name: f32[S]}, final {name: f32[]}).
+
+    `reward` is static: pass the same function object to reuse the compiled run.
+    """
+    return _run(cfg, reward, key)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def mscr_sweep(cfg: SimConfig, b1: jax.Array, b2: jax.Array, key: jax.Array):
+    """MSCR runs for M settings at once (vmap): b1, b2 f32[M] -> final {name: f32[M]}.
+
+    Every run uses the same key, hence the same question pool and the same random stream.
+    """
+    def one(a, b):
+        return _run(cfg, lambda c, q: rewards.mscr(c, q, jnp.ones(c.shape, bool), a, b), key)[2]
+
+    return jax.vmap(one)(jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32))
+
+
+def read_eval_jsonl(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """Reads an eval-output JSONL file -> (correct bool[B], confidence float32[B]).
+
+    One JSON object per line with at least `correct` (bool) and `confidence` (number in [0, 1],
+    0 when the model gave none); other fields are ignored; blank lines are skipped.
+    Raises ValueError naming the line on a missing field, a non-bool `correct`, or a
+    confidence outside [0, 1].
+    """
+    correct, conf = [], []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            c, q = row.get("correct"), row.get("confidence")
+            if not isinstance(c, bool):
+                raise ValueError(f"{path}:{i}: `correct` must be true/false, got {c!r}")
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 1:
+                raise ValueError(f"{path}:{i}: `confidence` must be a number in [0, 1], got {q!r}")
+            correct.append(c)
+            conf.append(q)
+    if not correct:
+        raise ValueError(f"{path}: no records")
+    return np.array(correct, bool), np.array(conf, np.float32)

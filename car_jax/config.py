@@ -190,9 +190,11 @@ def _build_dataclass(cls: type, data: Any, path: str) -> Any:
         if name in data:
             value = data[name]
             default = _default(f)
-            if (isinstance(value, Mapping) and dataclasses.is_dataclass(default)
-                    and not isinstance(default, type)):
-                value = _merge(dump_config(default), value)  # partial section on a default
+            if dataclasses.is_dataclass(default) and not isinstance(default, type):
+                if value is None and not _allows_none(hints[name]):
+                    value = {}  # an empty YAML section (`rl:`) means "all defaults"
+                if isinstance(value, Mapping):  # a partial section, on the field's default
+                    value = _merge(dump_config(default), value)
             kwargs[name] = _convert(hints[name], value, sub)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{sub}: missing required key (no default in "
@@ -203,6 +205,10 @@ def _build_dataclass(cls: type, data: Any, path: str) -> Any:
         raise
     except (ValueError, TypeError, AssertionError) as e:
         raise ConfigError(f"{_where(path)} ({cls.__name__}): {e}") from e
+
+
+def _allows_none(tp: Any) -> bool:
+    return tp is Any or tp is None or tp is type(None) or type(None) in typing.get_args(tp)
 
 
 def _default(f: dataclasses.Field) -> Any:

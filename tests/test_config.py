@@ -117,6 +117,7 @@ def test_nested_tuple_and_fixed_tuple():
 def test_partial_section_merges_onto_field_default():
     cfg = build_config(TrainCfg, {"small": {"name": "tiny"}})
     assert cfg.small == ModelCfg(name="tiny", d_model=8)
+    assert build_config(TrainCfg, {"small": None, "rl": None}) == TrainCfg()  # `small:`
 
 
 def test_unknown_key_full_path_and_suggestion(tmp_path):

@@ -1,0 +1,137 @@
+"""GRPO math with verl's semantics: group advantages, the clipped surrogate (optional
+dual clip), KL estimators to a reference, entropy, and the loss aggregation modes.
+
+All functions are pure and jittable over arrays. Token arrays are aligned to *token
+positions* of the full sequence (prompt + response): `logp[b, t]` is the log-prob of
+`tokens[b, t]` given `tokens[b, :t]`; `mask[b, t]` is 1 where the model sampled token t.
+Letters: B sequences, T positions.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLType = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens (verl: 3.0)
+    kl_coef: float = 0.001  # 0: no KL term and no reference forward
+    kl_type: KLType = "low_var_kl"
+    entropy_coef: float = 0.0
+    agg: AggMode = "token-mean"
+    temperature: float = 1.0  # the rollout temperature: log-probs use logits / T, as sampled
+    log_ratio_clamp: float = 20.0
+
+    def __post_init__(self):
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (verl uses 3.0) or None")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (use 1.0 for greedy rollouts)")
+
+
+def group_advantages(rewards: np.ndarray, group_ids: np.ndarray, *, std_norm: bool = True,
+                     eps: float = 1e-6) -> np.ndarray:
+    """float32[B] advantages: (r - mean_g) / (std_g + eps) within each group id, std with
+    ddof=1 (torch.std), and mean 0 / std 1 for a group of one (as verl). Without std_norm
+    (Dr.GRPO) A = r - mean_g. Host-side: group ids are arbitrary hashables."""
+    rewards = np.asarray(rewards, np.float64)
+    out = np.zeros_like(rewards)
+    groups: dict = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    for idx in groups.values():
+        r = rewards[idx]
+        mean, std = (r.mean(), r.std(ddof=1)) if len(idx) > 1 else (0.0, 1.0)
+        out[idx] = (r - mean) / (std + eps) if std_norm else r - mean
+    return out.astype(np.float32)
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: KLType) -> jax.Array:
+    """Per-token KL estimate of pi || pi_ref from sampled-token log-probs."""
+    if kind == "k1":
+        return logp - ref_logp
+    if kind == "abs":
+        return jnp.abs(logp - ref_logp)
+    if kind == "k2":
+        return 0.5 * jnp.square(logp - ref_logp)
+    if kind in ("k3", "low_var_kl"):
+        kl = jnp.clip(ref_logp - logp, -20.0, 20.0)
+        return jnp.clip(jnp.exp(kl) - kl - 1.0, -10.0, 10.0)
+    raise ValueError(f"kl_type={kind!r}: choose k1, k2, k3 (low_var_kl) or abs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """Denominators of the aggregation over the *whole* mini-batch, so that micro-batches
+    summed give exactly the mini-batch loss: tokens (sum of mask), seqs (sequences with
+    at least one masked token), horizon (Dr.GRPO's constant length)."""
+    tokens: jax.Array
+    seqs: jax.Array
+    horizon: jax.Array
+
+
+jax.tree_util.register_dataclass(Norm, data_fields=["tokens", "seqs", "horizon"], meta_fields=[])
+
+
+def norm_of(mask: jax.Array, horizon: float | None = None) -> Norm:
+    """Norm for a batch mask [B, T] (horizon defaults to T)."""
+    return Norm(tokens=jnp.maximum(mask.sum(), 1.0),
+                seqs=jnp.maximum((mask.sum(-1) > 0).sum(), 1).astype(jnp.float32),
+                horizon=jnp.asarray(mask.shape[-1] if horizon is None else horizon, jnp.float32))
+
+
+def aggregate(values: jax.Array, mask: jax.Array, mode: AggMode, norm: Norm) -> jax.Array:
+    """Scalar loss from per-token values [B, T] under `mode` (verl's agg_loss)."""
+    if mode == "token-mean":
+        return (values * mask).sum() / norm.tokens
+    if mode == "seq-mean-token-mean":
+        per_seq = (values * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
+        return per_seq.sum() / norm.seqs
+    if mode == "seq-mean-token-sum-norm":
+        return (values * mask).sum() / norm.horizon
+    raise ValueError(f"loss aggregation {mode!r}: choose token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
+
+
+def policy_loss(logp, old_logp, advantages, mask, cfg: LossConfig, norm: Norm):
+    """Clipped surrogate. logp, old_logp, mask [B, T]; advantages [B] (broadcast over
+    tokens). Returns (loss, metrics) with the clip fractions and the approximate KL to
+    the sampling policy."""
+    adv = advantages[:, None]
+    log_ratio = jnp.clip(logp - old_logp, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    ratio = jnp.exp(log_ratio)
+    loss1 = -adv * ratio
+    loss2 = -adv * jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    clipped = jnp.maximum(loss1, loss2)
+    losses = clipped
+    metrics = {"pg_clipfrac": aggregate((loss2 > loss1).astype(jnp.float32), mask, "token-mean", norm),
+               "ppo_kl": aggregate(-log_ratio, mask, "token-mean", norm)}
+    if cfg.dual_clip is not None:
+        loss3 = -adv * cfg.dual_clip
+        dual = jnp.minimum(loss3, clipped)
+        losses = jnp.where(adv < 0, dual, clipped)
+        metrics["pg_clipfrac_lower"] = aggregate(((clipped > loss3) & (adv < 0)).astype(jnp.float32), mask,
+                                                 "token-mean", norm)
+    return aggregate(losses, mask, cfg.agg, norm), metrics
+
+
+def grpo_loss(logp, entropy, old_logp, ref_logp, advantages, mask, cfg: LossConfig, norm: Norm):
+    """Total loss = policy loss - entropy_coef * entropy + kl_coef * KL (each aggregated
+    under cfg.agg). ref_logp may be None when kl_coef == 0. Returns (loss, metrics)."""
+    pg, metrics = policy_loss(logp, old_logp, advantages, mask, cfg, norm)
+    ent = aggregate(entropy, mask, cfg.agg, norm)
+    loss = pg - cfg.entropy_coef * ent
+    metrics = {**metrics, "pg_loss": pg, "entropy": ent}
+    if cfg.kl_coef:
+        kl = aggregate(kl_penalty(logp, ref_logp, cfg.kl_type), mask, cfg.agg, norm)
+        loss = loss + cfg.kl_coef * kl
+        metrics["kl"] = kl
+    return loss, metrics

@@ -1,0 +1,157 @@
+"""The jitted optimizer step: `train_step(state, batch) -> (state, metrics)`.
+
+A batch is one GRPO mini-batch split into micro-batches, arrays [M, b, T] (M micro-
+batches of b sequences). Gradients of the micro-batches are summed in a `lax.scan`;
+the loss of each is normalised by the whole mini-batch's token / sequence counts
+(`grpo.Norm`), so the sum is exactly the mini-batch gradient. One optax update
+(AdamW, global-norm clipping, warmup then constant or cosine) follows.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from car_jax import grpo
+from car_jax.logprobs import token_logprobs
+from car_jax.models.decoder import Decoder
+
+Batch = dict[str, jax.Array]
+# tokens int32[M, b, T], valid bool[M, b, T], mask float32[M, b, T], old_logp / ref_logp
+# float32[M, b, T], advantages float32[M, b]
+BATCH_KEYS = ("tokens", "valid", "mask", "old_logp", "ref_logp", "advantages")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    warm = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
+    rest = max(cfg.total_steps - cfg.warmup_steps, 1)
+    after = (optax.constant_schedule(cfg.lr) if cfg.schedule == "constant"
+             else optax.cosine_decay_schedule(cfg.lr, rest, alpha=cfg.min_lr_ratio))
+    schedule = optax.join_schedules([warm, after], [cfg.warmup_steps]) if cfg.warmup_steps else after
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity(),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+    )
+
+
+@struct.dataclass
+class TrainState:
+    params: Any
+    opt_state: Any
+    step: jax.Array  # int32[]
+
+
+def init_state(params, optimizer: optax.GradientTransformation, mesh: Mesh | None = None) -> TrainState:
+    """Optimizer state created under jit, so moments inherit the params' shardings; with
+    a mesh, every leaf not already on it (step, counters) is replicated over it."""
+    state = TrainState(params, jax.jit(optimizer.init)(params), jnp.zeros((), jnp.int32))
+    if mesh is None:
+        return state
+    replicated = NamedSharding(mesh, P())
+    on_mesh = lambda x: isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh  # noqa: E731
+    return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated), state)
+
+
+def state_shardings(state: TrainState):
+    """The sharding of every leaf, for jit's in/out shardings."""
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+def _micro_loss(params, module: Decoder, micro: Batch, cfg: grpo.LossConfig, norm: grpo.Norm):
+    logp, entropy = token_logprobs(module, params, micro["tokens"], micro["valid"], temperature=cfg.temperature)
+    return grpo.grpo_loss(logp, entropy, micro["old_logp"], micro["ref_logp"], micro["advantages"],
+                          micro["mask"], cfg, norm)
+
+
+def grads_and_metrics(module: Decoder, cfg: grpo.LossConfig, params, batch: Batch):
+    """(summed grads, mean metrics, loss) over the micro-batches of one mini-batch."""
+    t = batch["tokens"].shape[-1]
+    norm = grpo.norm_of(batch["mask"].reshape(-1, t))
+    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+
+    def body(acc, micro):
+        (loss, metrics), grads = grad_fn(params, module, micro, cfg, norm)
+        acc_grads, acc_loss = acc
+        return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss), metrics = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), batch)
+    # per-micro metrics are partial sums under the mini-batch norm (token/seq weighted):
+    # summing them gives the mini-batch value
+    metrics = jax.tree.map(lambda m: m.sum(0), metrics)
+    return grads, metrics, loss
+
+
+def make_train_step(module: Decoder, optimizer: optax.GradientTransformation, cfg: grpo.LossConfig,
+                    mesh: Mesh | None = None, state_shardings=None):
+    """Jitted `train_step(state, batch) -> (state, metrics)`, state donated. With a mesh,
+    batch rows are split over `fsdp` and the state keeps `state_shardings`."""
+
+    def train_step(state: TrainState, batch: Batch):
+        grads, metrics, loss = grads_and_metrics(module, cfg, state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    if mesh is None:
+        return jax.jit(train_step, donate_argnums=0)
+    batch_sh = batch_shardings(mesh)
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_sh),
+                   out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
+    """Micro-batch rows over fsdp: [M, b, T] -> P(None, 'fsdp', None)."""
+    rows3 = NamedSharding(mesh, P(None, "fsdp", None))
+    return {k: (NamedSharding(mesh, P(None, "fsdp")) if k == "advantages" else rows3) for k in BATCH_KEYS}
+
+
+def make_logprob_fn(module: Decoder, temperature: float, chunk: int = 128):
+    """Jitted (params, tokens [N, T], valid [N, T]) -> logp float32[N, T] (reference and
+    old-policy log-probs, no gradient)."""
+    def fn(params, tokens, valid):
+        return token_logprobs(module, params, tokens, valid, temperature=temperature, chunk=chunk)[0]
+    return jax.jit(fn)
+
+
+def make_sft_step(module: Decoder, optimizer: optax.GradientTransformation):
+    """Jitted supervised warm-start step: token-mean cross-entropy on the masked tokens
+    of batch arrays [M, b, T] (tokens, valid, mask), micro-batches summed exactly."""
+    def loss_fn(params, micro, norm):
+        logp, _ = token_logprobs(module, params, micro["tokens"], micro["valid"])
+        return -grpo.aggregate(logp, micro["mask"], "token-mean", norm)
+
+    def step(state: TrainState, batch: Batch):
+        norm = grpo.norm_of(batch["mask"].reshape(-1, batch["tokens"].shape[-1]))
+
+        def body(acc, micro):
+            loss, grads = jax.value_and_grad(loss_fn)(state.params, micro, norm)
+            return (jax.tree.map(jnp.add, acc[0], grads), acc[1] + loss), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros(())), batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return (TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1),
+                {"sft_loss": loss, "grad_norm": optax.tree.norm(grads)})
+
+    return jax.jit(step, donate_argnums=0)

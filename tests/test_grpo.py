@@ -1,0 +1,122 @@
+"""GRPO math against an independent numpy re-derivation (verl's definitions)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from car_jax import grpo
+
+RNG = np.random.default_rng(0)
+
+
+def np_advantages(r, groups, std_norm=True, eps=1e-6):
+    out = np.empty(len(r))
+    for g in set(groups):
+        idx = [i for i, x in enumerate(groups) if x == g]
+        vals = np.array([r[i] for i in idx], np.float64)
+        if len(idx) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean = vals.sum() / len(vals)
+            std = np.sqrt(((vals - mean) ** 2).sum() / (len(vals) - 1))
+        for i in idx:
+            out[i] = (r[i] - mean) / (std + eps) if std_norm else r[i] - mean
+    return out
+
+
+def test_advantages_match_numpy():
+    r = RNG.normal(size=40)
+    groups = [f"q{i % 7}" for i in range(39)] + ["solo"]
+    for std_norm in (True, False):
+        ours = grpo.group_advantages(r, np.array(groups, object), std_norm=std_norm)
+        np.testing.assert_allclose(ours, np_advantages(r, groups, std_norm), rtol=1e-6, atol=1e-6)
+
+
+def test_advantages_hand_worked():
+    # group of 3 rewards (1, 0, 0): mean 1/3, sample std sqrt(1/3) = 0.57735
+    a = grpo.group_advantages(np.array([1.0, 0, 0]), np.array([0, 0, 0]))
+    np.testing.assert_allclose(a, [(2 / 3) / 0.5773503, (-1 / 3) / 0.5773503, (-1 / 3) / 0.5773503], rtol=1e-5)
+    # all equal rewards: zero advantage (std 0 + eps)
+    assert (grpo.group_advantages(np.array([0.5, 0.5]), np.array([1, 1])) == 0).all()
+
+
+def np_agg(values, mask, mode, horizon):
+    if mode == "token-mean":
+        return (values * mask).sum() / mask.sum()
+    if mode == "seq-mean-token-mean":
+        rows = [(v * m).sum() / m.sum() for v, m in zip(values, mask) if m.sum() > 0]
+        return sum(rows) / len(rows)
+    return (values * mask).sum() / horizon
+
+
+def np_kl(logp, ref, kind):
+    if kind == "k1":
+        return logp - ref
+    if kind == "k2":
+        return 0.5 * (logp - ref) ** 2
+    kl = ref - logp
+    return np.clip(np.exp(kl) - kl - 1, -10, 10)
+
+
+def np_loss(logp, old, ref, adv, ent, mask, clip_low, clip_high, dual, kl_coef, kl_type, ent_coef, mode):
+    ratio = np.exp(np.clip(logp - old, -20, 20))
+    a = adv[:, None]
+    l1 = -a * ratio
+    l2 = -a * np.clip(ratio, 1 - clip_low, 1 + clip_high)
+    lc = np.maximum(l1, l2)
+    if dual is not None:
+        lc = np.where(a < 0, np.minimum(-a * dual, lc), lc)
+    h = mask.shape[1]
+    total = np_agg(lc, mask, mode, h) - ent_coef * np_agg(ent, mask, mode, h)
+    if kl_coef:
+        total += kl_coef * np_agg(np_kl(logp, ref, kl_type), mask, mode, h)
+    return total
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "low_var_kl"])
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_loss_matches_numpy(mode, kl_type, dual):
+    b, t = 6, 9
+    logp = RNG.normal(-2, 1, size=(b, t))
+    old = logp + RNG.normal(0, 0.3, size=(b, t))  # ratios on both sides of the clip range
+    ref = logp + RNG.normal(0, 0.5, size=(b, t))
+    ent = RNG.uniform(0, 3, size=(b, t))
+    adv = RNG.normal(size=b)
+    mask = (RNG.uniform(size=(b, t)) < 0.7).astype(np.float64)
+    mask[2] = 0  # a sequence with no sampled token
+    cfg = grpo.LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=dual, kl_coef=0.05, kl_type=kl_type,
+                          entropy_coef=0.01, agg=mode)
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    loss, metrics = grpo.grpo_loss(f(logp), f(ent), f(old), f(ref), f(adv), f(mask), cfg, grpo.norm_of(f(mask)))
+    expected = np_loss(logp, old, ref, adv, ent, mask, 0.2, 0.28, dual, 0.05, kl_type, 0.01, mode)
+    assert abs(float(loss) - expected) <= 1e-6 * max(1, abs(expected))
+    assert abs(float(metrics["kl"]) - np_agg(np_kl(logp, ref, kl_type), mask, mode, t)) <= 1e-6
+
+
+def test_hand_worked_clipping():
+    cfg = grpo.LossConfig(kl_coef=0.0, dual_clip=3.0)
+    norm = grpo.norm_of(jnp.ones((1, 1)))
+    one = lambda x: jnp.array([[x]], jnp.float32)  # noqa: E731
+    # ratio e^0.5 = 1.6487 with A = +1: clipped at 1.2 -> loss -1.2
+    loss, m = grpo.policy_loss(one(0.5), one(0.0), jnp.array([1.0]), one(1.0), cfg, norm)
+    assert float(loss) == pytest.approx(-1.2) and float(m["pg_clipfrac"]) == 1.0
+    # ratio e^-0.5 = 0.6065 with A = +1: pessimistic max(-0.6065, -0.8) -> -0.6065, no clip
+    loss, m = grpo.policy_loss(one(-0.5), one(0.0), jnp.array([1.0]), one(1.0), cfg, norm)
+    assert float(loss) == pytest.approx(-np.exp(-0.5), rel=1e-6) and float(m["pg_clipfrac"]) == 0.0
+    # ratio e^2 = 7.389 with A = -1: max(7.389, 1.2) = 7.389, dual clip caps at 3
+    loss, m = grpo.policy_loss(one(2.0), one(0.0), jnp.array([-1.0]), one(1.0), cfg, norm)
+    assert float(loss) == pytest.approx(3.0) and float(m["pg_clipfrac_lower"]) == 1.0
+
+
+def test_low_var_kl_hand_worked():
+    # logp = -1, ref = -2: kl = ref - logp = -1; exp(-1) + 1 - 1 = 0.36788
+    assert float(grpo.kl_penalty(jnp.array(-1.0), jnp.array(-2.0), "low_var_kl")) == pytest.approx(np.exp(-1), rel=1e-6)
+    # clamped at 10 for very different policies
+    assert float(grpo.kl_penalty(jnp.array(-30.0), jnp.array(-1.0), "k3")) == 10.0
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="dual_clip=0.5"):
+        grpo.LossConfig(dual_clip=0.5)
+    with pytest.raises(ValueError, match="kl_type='k9'"):
+        grpo.kl_penalty(jnp.zeros(1), jnp.zeros(1), "k9")

@@ -1,0 +1,269 @@
+"""Evaluation: greedy episodes over a dataset, scored for correctness and calibration.
+
+    summary = evaluate(model, tokenizer, examples, mode="search", tools={"search": retriever},
+                       out_dir="runs/eval-search")
+
+Modes (prompt template, action protocol, tool):
+    search  CAR search prompt, `car_search()` (Search-R1 tags, answer runs on to </confidence>),
+            tool "search"
+    direct  no-tool prompt, the same protocol with `max_turns=0`: one segment, no tool
+    tir     TIR prompt, `TIR()` protocol, tool "code" (the Python sandbox); math examples only
+Scoring (`car_jax.rewards.reward_inputs`, with each example's task): "qa" = exact match of the
+last <answer>, format = the full tag chain; "math" = math-verify on the last <answer> or
+\\boxed{}, format = the confidence parses. A missing confidence counts as q = 0.
+
+Files written to `out_dir`:
+    samples.jsonl    one line per example, appended as each batch finishes (fsync'd), so a
+                     crash loses at most the batch in flight; `resume=True` skips ids already
+                     there (a torn last line from a crash is cut off first)
+    summary.json     metrics (`car_jax.metrics.calibration`) over all examples, percentile
+                     bootstrap 95% intervals, mean turns / tool calls, format-valid rate,
+                     per-kind breakdown; NaN (undefined AUROC / MCIP) is written as null
+    reliability.png  reliability diagram
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from car_jax import metrics, parsing
+from car_jax.data.examples import QAExample
+from car_jax.data.prompts import make_prompt
+from car_jax.rewards import reward_inputs
+from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
+from car_jax.rollout.protocols import TIR, car_search
+from car_jax.rollout.sampling import Sampler
+
+SAMPLES_FILE, SUMMARY_FILE, PLOT_FILE = "samples.jsonl", "summary.json", "reliability.png"
+# greedy decoding (Search-R1 validation), the SPEC's turn / token budgets
+EVAL_EPISODE = EpisodeConfig(max_turns=4, max_response_tokens=500, max_obs_tokens=500, sampler=Sampler(0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """How one evaluation mode prompts and acts: template name, protocol factory, tool kind."""
+
+    name: str
+    template: str
+    protocol: Callable[[], object]
+    tool: str | None  # the action kind the mode calls, None for no tool
+    single_turn: bool = False
+
+
+MODES = {
+    "search": Mode("search", "search", car_search, "search"),
+    "direct": Mode("direct", "direct", car_search, None, single_turn=True),
+    "tir": Mode("tir", "tir", TIR, "code"),
+}
+
+
+def get_mode(name: str) -> Mode:
+    if name not in MODES:
+        raise ValueError(f"unknown eval mode {name!r}; choose one of {sorted(MODES)}")
+    return MODES[name]
+
+
+# ---------------------------------------------------------------- scoring
+def score(examples: Sequence[QAExample], responses: Sequence[str], mode: str) -> list[dict]:
+    """Response texts (response part only) -> one sample record per example (no episode stats).
+
+    Record: id, question, golden_answers, data_source, mode, response, answer (None when the
+    response has none), confidence (q in [0, 1], 0 when missing), confidence_ok, correct (bool),
+    format_ok (bool), format_reason, plus `kind` / `answerable` when the example's meta has them.
+    """
+    out = []
+    for ex, text in zip(examples, responses, strict=True):
+        inputs = reward_inputs([text], [list(ex.golden_answers)], task=ex.task)
+        parsed = parsing.parse_response(text)
+        answer = parsed.answer
+        if ex.task == "math":
+            answer = answer if answer is not None else parsing.last_boxed(text)
+            reason = "" if parsed.confidence_ok else "confidence missing or not a number in [0, 100]"
+        else:
+            reason = parsed.reason
+        rec = {"id": ex.id, "question": ex.question, "golden_answers": list(ex.golden_answers),
+               "data_source": ex.data_source, "mode": mode, "response": text, "answer": answer,
+               "confidence": float(parsed.q), "confidence_ok": bool(parsed.confidence_ok),
+               "correct": bool(inputs.correct[0]), "format_ok": bool(inputs.format_ok[0]),
+               "format_reason": reason}
+        rec.update({k: ex.meta[k] for k in ("kind", "answerable") if k in ex.meta})
+        out.append(rec)
+    return out
+
+
+# ---------------------------------------------------------------- samples file
+def read_samples(path: str | Path, repair: bool = False) -> list[dict]:
+    """The records of a samples.jsonl. A torn last line (no newline, not JSON: a crash while
+    writing) is skipped, and cut from the file when `repair`; a bad line elsewhere raises."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    rows, good_end = [], 0
+    for i, line in enumerate(lines):
+        if not line.strip():
+            good_end += len(line) + 1
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # the last line, without its newline: torn
+                break
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON; fix or remove it before resuming") from None
+        good_end += len(line) + 1
+    if repair and good_end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return rows
+
+
+def _append(path: Path, records: list[dict]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------- summary
+def _num(x):
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def summarize(samples: Sequence[dict], n_boot: int = 1000, seed: int = 0) -> dict:
+    """Sample records -> the summary dict (metric names of `car_jax.metrics.KEYS` at top level)."""
+    c = np.array([s["correct"] for s in samples], bool)
+    q = np.array([s["confidence"] for s in samples], np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = metrics.calibration(c, q)
+        ci = metrics.bootstrap_ci(c, q, n_boot=n_boot, seed=seed) if n_boot else {}
+    out = {k: _num(v) for k, v in m.items()}
+    out["ci95"] = {k: [_num(lo), _num(hi)] for k, (lo, hi) in ci.items()}
+    for key, field in (("mean_turns", "n_turns"), ("mean_tool_calls", "n_tool_calls"),
+                       ("format_rate", "format_ok"), ("confidence_rate", "confidence_ok"),
+                       ("answered_rate", "answered")):
+        vals = [float(s[field]) for s in samples if field in s]
+        out[key] = float(np.mean(vals)) if vals else None
+    kinds = sorted({s["kind"] for s in samples if "kind" in s})
+    out["by_kind"] = {k: _subset([s for s in samples if s.get("kind") == k]) for k in kinds}
+    out["warnings"] = sorted({str(w.message) for w in caught})
+    return out
+
+
+def _subset(rows: list[dict]) -> dict:
+    return {"n": len(rows), "accuracy": float(np.mean([r["correct"] for r in rows])),
+            "mean_confidence": float(np.mean([r["confidence"] for r in rows])),
+            "format_rate": float(np.mean([r["format_ok"] for r in rows]))}
+
+
+def format_table(summary: dict) -> str:
+    """A short text table of the main numbers with their 95% intervals."""
+    def cell(key):
+        v, ci = summary.get(key), summary.get("ci95", {}).get(key)
+        if v is None:
+            return "n/a"
+        return f"{v:.3f}" + (f"  [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci else "")
+
+    rows = [("examples", str(summary["n"])), ("accuracy", cell("accuracy")), ("ECE", cell("ece")),
+            ("MCIP", cell("mcip")), ("AUROC", cell("auroc")), ("Brier", cell("brier")),
+            ("mean confidence", cell("mean_confidence"))]
+    for key, label in (("format_rate", "format valid"), ("mean_turns", "mean turns"),
+                       ("mean_tool_calls", "mean tool calls")):
+        if summary.get(key) is not None:
+            rows.append((label, f"{summary[key]:.3f}"))
+    for kind, sub in summary.get("by_kind", {}).items():
+        rows.append((f"  {kind} (n={sub['n']})", f"acc {sub['accuracy']:.3f}, mean q {sub['mean_confidence']:.3f}"))
+    width = max(len(r[0]) for r in rows)
+    head = f"mode {summary.get('mode', '?')}  (95% bootstrap intervals)"
+    return "\n".join([head] + [f"{k.ljust(width)}  {v}" for k, v in rows])
+
+
+# ---------------------------------------------------------------- the loop
+def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "search",
+             tools: dict | None = None, episode_config: EpisodeConfig = EVAL_EPISODE,
+             out_dir: str | Path, batch_size: int = 8, resume: bool = False, n_boot: int = 1000,
+             seed: int = 0, progress: bool = True, info: dict | None = None) -> dict:
+    """Runs `mode` on every example, writes samples.jsonl / summary.json / reliability.png to
+    `out_dir`, returns the summary dict.
+
+    tools: action kind -> batched tool ({"search": retriever} / {"code": PythonTool()}); the
+    mode's tool must be there (direct mode needs none). `episode_config` is used as given
+    (default greedy, 4 turns, 500 tokens per turn); direct mode forces `max_turns=0`.
+    resume=False refuses to write into a folder that already has samples (pass resume=True
+    to continue it, or another out_dir). `info` (model, dataset, ...) is copied into the summary.
+    """
+    from tqdm import tqdm
+
+    spec = get_mode(mode)
+    examples = list(examples)
+    if not examples:
+        raise ValueError("evaluate needs at least one example")
+    tools = dict(tools or {})
+    if spec.tool is not None and spec.tool not in tools:
+        raise ValueError(f"mode {mode!r} needs a {spec.tool!r} tool in tools=, got {sorted(tools)}")
+    if mode == "tir" and (bad := [e.id for e in examples if e.task != "math"]):
+        raise ValueError(f"mode 'tir' scores math answers, but {len(bad)} examples are QA (e.g. {bad[0]!r}); "
+                         "use a MATH-500 style JSONL (problem, answer) or mode 'search'/'direct'")
+    config = dataclasses.replace(episode_config, max_turns=0) if spec.single_turn else episode_config
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / SAMPLES_FILE
+    done_rows = read_samples(path, repair=resume) if resume else []
+    if not resume and path.is_file() and path.stat().st_size:
+        raise FileExistsError(f"{path} already holds samples; pass resume=True (--resume) to continue "
+                              "that run, or choose another out_dir")
+    other = {r.get("mode") for r in done_rows} - {mode}
+    if other:
+        raise ValueError(f"{path} holds samples of mode {sorted(other)}, not {mode!r}; use another out_dir")
+    done = {r["id"] for r in done_rows}
+    todo = [e for e in examples if e.id not in done]
+
+    stats, t0 = EpisodeStats(), time.perf_counter()
+    bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=f"eval {mode}", unit="q",
+               disable=not progress)
+    wanted = {e.id for e in examples}
+    n_seen = len(examples) - len(todo)
+    n_right = sum(r["correct"] for r in done_rows if r["id"] in wanted)
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start:start + batch_size]
+        prompts = [make_prompt(e, spec.template) for e in batch]
+        trajs = run_episodes(model, tokenizer, prompts, tools, config=config, protocol=spec.protocol(),
+                             seed=seed + start, stats=stats)
+        records = score(batch, [t.text for t in trajs], mode)
+        for rec, t in zip(records, trajs):
+            rec.update(n_turns=t.n_turns, n_tool_calls=t.n_tool_calls, answered=t.answered,
+                       tool_requests=[log["request"] for log in t.tool_log])
+        _append(path, records)
+        n_right += sum(r["correct"] for r in records)
+        n_seen += len(batch)
+        bar.update(len(batch))
+        bar.set_postfix(acc=f"{n_right / n_seen:.3f}")
+    bar.close()
+
+    by_id = {r["id"]: r for r in read_samples(path)}
+    samples = [by_id[e.id] for e in examples]
+    summary = {"mode": mode, **(info or {}), **summarize(samples, n_boot=n_boot, seed=seed)}
+    summary["run"] = {"new_examples": len(todo), "resumed_examples": len(examples) - len(todo),
+                      "seconds": time.perf_counter() - t0, "seconds_device": stats.seconds_device,
+                      "seconds_tools": stats.seconds_tools, "sampled_tokens": stats.sampled_tokens,
+                      "episode": {"max_turns": config.max_turns, "max_response_tokens": config.max_response_tokens,
+                                  "max_obs_tokens": config.max_obs_tokens,
+                                  "sampler": dataclasses.asdict(config.sampler)}}
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    from car_jax.plots import reliability_diagram
+
+    c = [s["correct"] for s in samples]
+    q = [s["confidence"] for s in samples]
+    title = f"{mode} on {info['data']}" if info and "data" in info else mode
+    reliability_diagram(c, q, out / PLOT_FILE, title=title)
+    return summary

@@ -1,0 +1,221 @@
+"""`car_jax.eval.evaluate` and `car-jax eval`: files, fields, metrics, resume."""
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+import car_jax
+import car_jax.eval as ev
+from car_jax import metrics
+from car_jax.assets import smollm2_gguf
+from car_jax.data import QAExample, load_dataset, world_retriever
+from car_jax.rollout.episode import Trajectory
+from tests.hf_factory import build
+
+FIELDS = {"id": str, "question": str, "golden_answers": list, "response": str, "confidence": float,
+          "correct": bool, "format_ok": bool, "n_turns": int, "n_tool_calls": int}
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check_summary_matches(summary, samples):
+    """The summary's metrics are metrics.calibration of samples.jsonl's correct / confidence."""
+    with pytest.warns(RuntimeWarning) if len({s["correct"] for s in samples}) == 1 else _nothing():
+        recomputed = metrics.calibration([s["correct"] for s in samples], [s["confidence"] for s in samples])
+    for key in metrics.KEYS:
+        want, got = recomputed[key], summary[key]
+        assert (got is None and math.isnan(want)) or got == pytest.approx(want, abs=1e-7), key
+    assert summary["n"] == len(samples)
+    assert summary["format_rate"] == pytest.approx(np.mean([s["format_ok"] for s in samples]))
+    assert summary["mean_turns"] == pytest.approx(np.mean([s["n_turns"] for s in samples]))
+    assert summary["mean_tool_calls"] == pytest.approx(np.mean([s["n_tool_calls"] for s in samples]))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------- scripted episodes
+def _search_text(answer, conf, ok=True):
+    lead = "<think> look it up </think>\n<search> the query </search>\n\n<information>Doc 1(Title: x) y\n" \
+           "</information>\n\n<think> found it </think>\n"
+    return (lead if ok else "I think ") + f"<answer> {answer} </answer>\n<confidence> {conf} </confidence>"
+
+
+@pytest.fixture()
+def scripted(monkeypatch):
+    """Replaces run_episodes with a script: question -> response text; records each call."""
+    calls, script = [], {}
+
+    def fake(model, tokenizer, prompts, tools, *, config, protocol, seed, stats):
+        calls.append({"questions": [p[-1]["content"].split(": ", 1)[1] for p in prompts], "config": config})
+        out = []
+        for question in calls[-1]["questions"]:
+            text = script[question]
+            if text == "CRASH":
+                raise RuntimeError("simulated crash")
+            t = Trajectory(prompt_ids=[1])
+            t.text, t.n_turns, t.n_tool_calls, t.answered = text, 1 + text.count("<search>"), text.count("<search>"), True
+            out.append(t)
+        return out
+
+    monkeypatch.setattr(ev, "run_episodes", fake)
+    return calls, script
+
+
+def _toy_examples(n=6):
+    return [QAExample(f"toy-{i}", f"toy question {i}?", (f"answer {i}",), "toy", f"toy-{i}", meta={"kind": "k" + str(i % 2)})
+            for i in range(n)]
+
+
+def test_scripted_eval_files_and_metrics(scripted, tmp_path):
+    calls, script = scripted
+    examples = _toy_examples()
+    rows = [("answer 0", 90, True), ("answer 1", 60, True), ("wrong", 80, True), ("wrong", 10, True),
+            ("answer 4", 70, False), ("wrong", "lots", True)]
+    for e, (a, c, ok) in zip(examples, rows):
+        script[e.question] = _search_text(a, c, ok)
+    summary = ev.evaluate(None, None, examples, mode="search", tools={"search": lambda q: q}, out_dir=tmp_path,
+                          batch_size=4, n_boot=200, info={"data": "toy"})
+    assert [len(c["questions"]) for c in calls] == [4, 2]
+    samples = _lines(tmp_path / "samples.jsonl")
+    assert [s["id"] for s in samples] == [e.id for e in examples]
+    for s in samples:
+        for field, typ in FIELDS.items():
+            assert isinstance(s[field], typ), (field, s[field])
+        assert 0.0 <= s["confidence"] <= 1.0
+    assert [s["correct"] for s in samples] == [True, True, False, False, True, False]
+    assert [s["confidence"] for s in samples] == pytest.approx([0.9, 0.6, 0.8, 0.1, 0.7, 0.0])
+    assert [s["format_ok"] for s in samples] == [True, True, True, True, False, False]
+    assert samples[4]["format_reason"].startswith("text outside blocks")
+    assert samples[0]["answer"] == "answer 0" and samples[0]["kind"] == "k0"
+    assert summary["accuracy"] == pytest.approx(0.5) and summary["ece"] > 0
+    _check_summary_matches(summary, samples)
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["ece"] == pytest.approx(summary["ece"]) and on_disk["data"] == "toy"
+    lo, hi = on_disk["ci95"]["accuracy"]
+    assert 0.0 <= lo <= 0.5 <= hi <= 1.0
+    assert on_disk["by_kind"]["k0"]["n"] == 3 and on_disk["by_kind"]["k0"]["accuracy"] == pytest.approx(2 / 3)
+    assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+    assert "ECE" in ev.format_table(summary) and "accuracy" in ev.format_table(summary)
+
+
+def test_crash_then_resume(scripted, tmp_path):
+    calls, script = scripted
+    examples = _toy_examples(7)
+    for e in examples:
+        script[e.question] = _search_text(e.golden_answers[0], 75)
+    script[examples[4].question] = "CRASH"  # the second batch dies
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        ev.evaluate(None, None, examples, mode="search", tools={"search": len}, out_dir=tmp_path,
+                    batch_size=3, n_boot=0)
+    assert [s["id"] for s in _lines(tmp_path / "samples.jsonl")] == ["toy-0", "toy-1", "toy-2"]
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write('{"id": "toy-3", "question": "torn li')  # a write cut short by the crash
+    with pytest.raises(FileExistsError, match="resume"):
+        ev.evaluate(None, None, examples, mode="search", tools={"search": len}, out_dir=tmp_path)
+    with pytest.raises(ValueError, match="mode"):
+        ev.evaluate(None, None, examples, mode="direct", out_dir=tmp_path, resume=True)
+    script[examples[4].question] = _search_text("nope", 20)
+    calls.clear()
+    summary = ev.evaluate(None, None, examples, mode="search", tools={"search": len}, out_dir=tmp_path,
+                          batch_size=3, resume=True, n_boot=0)
+    assert [q for c in calls for q in c["questions"]] == [e.question for e in examples[3:]]
+    samples = _lines(tmp_path / "samples.jsonl")  # the torn line is gone, every id once
+    assert [s["id"] for s in samples] == [e.id for e in examples]
+    assert (summary["run"]["new_examples"], summary["run"]["resumed_examples"]) == (4, 3)
+    assert summary["accuracy"] == pytest.approx(6 / 7)
+    _check_summary_matches(summary, samples)
+
+
+def test_direct_and_tir_modes(scripted, tmp_path):
+    calls, script = scripted
+    qa = _toy_examples(2)
+    script[qa[0].question] = "<think> hm </think>\n<answer> answer 0 </answer>\n<confidence> 55 </confidence>"
+    script[qa[1].question] = "no tags at all"
+    ev.evaluate(None, None, qa, mode="direct", out_dir=tmp_path / "direct", n_boot=0)
+    assert calls[-1]["config"].max_turns == 0  # one segment, no tool
+    samples = _lines(tmp_path / "direct" / "samples.jsonl")
+    assert [(s["correct"], s["format_ok"], s["confidence"]) for s in samples] == [(True, True, 0.55), (False, False, 0.0)]
+    assert samples[1]["answer"] is None
+
+    math = [QAExample("m-0", "What is 6 * 7?", ("42",), "toy", "m-0", task="math"),
+            QAExample("m-1", "Simplify 6/8.", ("\\frac{3}{4}",), "toy", "m-1", task="math")]
+    script["What is 6 * 7?"] = "```python\nprint(6 * 7)\n```\n```output\n42\n```\n<confidence> 95 </confidence>\n\\boxed{42}"
+    script["Simplify 6/8."] = "It is \\boxed{0.7}"
+    ev.evaluate(None, None, math, mode="tir", tools={"code": len}, out_dir=tmp_path / "tir", n_boot=0)
+    samples = _lines(tmp_path / "tir" / "samples.jsonl")
+    assert [(s["correct"], s["format_ok"], s["answer"]) for s in samples] == [(True, True, "42"), (False, False, "0.7")]
+    with pytest.raises(ValueError, match="mode 'tir' scores math"):
+        ev.evaluate(None, None, qa, mode="tir", tools={"code": len}, out_dir=tmp_path / "x")
+    with pytest.raises(ValueError, match="needs a 'search' tool"):
+        ev.evaluate(None, None, qa, mode="search", out_dir=tmp_path / "y")
+    with pytest.raises(ValueError, match="unknown eval mode 'guess'"):
+        ev.evaluate(None, None, qa, mode="guess", out_dir=tmp_path / "z")
+
+
+# ---------------------------------------------------------------- real episodes
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_eval_llama")
+    build("llama", folder, vocab_size=49152)
+    return folder, car_jax.load_model(folder), car_jax.load_tokenizer(smollm2_gguf())
+
+
+def test_tiny_model_search_then_cli_resume(tiny, tmp_path, monkeypatch, capsys):
+    """3 world questions through the Python API, then `car-jax eval --resume` over 6: only the
+    3 new ones run (same shapes, so the CLI reuses the compiled decode loop)."""
+    from car_jax import cli
+
+    folder, model, tok = tiny
+    monkeypatch.setenv("CAR_JAX_CACHE", str(tmp_path / "cache"))  # the CLI's default world index
+    examples = load_dataset("world", limit=6)
+    retriever = world_retriever()
+    cfg = dataclasses.replace(ev.EVAL_EPISODE, max_turns=1, max_response_tokens=8, max_obs_tokens=32)
+    out = tmp_path / "out"
+    try:
+        first = ev.evaluate(model, tok, examples[:3], mode="search", tools={"search": retriever},
+                            episode_config=cfg, out_dir=out, batch_size=3, n_boot=50, progress=False)
+    finally:
+        retriever.close()
+    assert first["run"]["new_examples"] == 3 and len(_lines(out / "samples.jsonl")) == 3
+    argv = ["eval", "--model", str(folder), "--tokenizer", str(smollm2_gguf()), "--mode", "search",
+            "--limit", "6", "--batch-size", "3", "--max-turns", "1", "--max-response-tokens", "8",
+            "--max-obs-tokens", "32", "--n-boot", "50", "--out", str(out), "--resume"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "ECE" in printed and "format valid" in printed and "world:dev" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["run"]["new_examples"], summary["run"]["resumed_examples"]) == (3, 3)
+    assert summary["mode"] == "search" and summary["data"] == "world:dev"
+    samples = _lines(out / "samples.jsonl")
+    assert [s["id"] for s in samples] == [e.id for e in examples]
+    for s, e in zip(samples, examples):
+        for field, typ in FIELDS.items():
+            assert isinstance(s[field], typ), (field, s[field])
+        assert 1 <= s["n_turns"] <= 2 and s["golden_answers"] == list(e.golden_answers)
+    _check_summary_matches(summary, samples)
+    assert (out / "reliability.png").is_file()
+    with pytest.raises(SystemExit, match="no such file"):
+        cli.main(["eval", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o2")])
+
+
+def test_embedded_smollm2_direct(smollm2_hf, tmp_path):
+    """End to end with the real embedded model on 8 dev questions (weak model: no accuracy bar)."""
+    model, tok = car_jax.load_model(smollm2_hf), car_jax.load_tokenizer(smollm2_hf)
+    cfg = dataclasses.replace(ev.EVAL_EPISODE, max_response_tokens=32)
+    examples = load_dataset("world", limit=8)
+    summary = ev.evaluate(model, tok, examples, mode="direct", episode_config=cfg, out_dir=tmp_path,
+                          batch_size=8, n_boot=100, progress=False)
+    samples = _lines(tmp_path / "samples.jsonl")
+    assert len(samples) == 8 and all(s["response"].strip() for s in samples)  # it really wrote text
+    assert all(s["n_turns"] == 1 and s["n_tool_calls"] == 0 for s in samples)
+    _check_summary_matches(summary, samples)

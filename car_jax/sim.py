@@ -2,7 +2,8 @@
 
 Nothing here touches a language model: a "policy" answers questions of known difficulty and
 states a verbal confidence, and GRPO trains it under one of car_jax's rewards. Everything is
-pure and jitted (`lax.scan` over steps): a 600-step run takes about a second once compiled.
+pure and jitted (`lax.scan` over steps): a 600-step run takes about a second once compiled,
+and `run_family` trains many rewards at once under `vmap`.
 
 Dimension letters: N questions in the pool, P prompts per step, G samples per prompt (one GRPO
 group), K confidence bins (the verbal confidence is an integer k in 0..K-1, q = k / (K - 1), so
@@ -280,16 +281,58 @@ def run(cfg: SimConfig, reward: OutcomeReward, key: jax.Array):
     return _run(cfg, reward, key)
 
 
+def family_reward(correct, q, theta) -> jax.Array:
+    """R = c [a + b (1 - (1 - q)^2)] - (1 - c) g q^2 with theta = (a, b, g) f32[3]:
+    bool[B], f32[B] -> f32[B]. Every reward of car_jax is one point (`family_theta`), so one
+    compiled program can train under all of them and under a whole b1/b2 grid."""
+    c, q = jnp.asarray(correct, jnp.float32), jnp.asarray(q, jnp.float32)
+    return c * (theta[0] + theta[1] * (1.0 - (1.0 - q) ** 2)) - (1.0 - c) * theta[2] * q**2
+
+
+def family_theta(cfg: rewards.RewardConfig) -> tuple[float, float, float]:
+    """(a, b, g) of a RewardConfig's reward (format ignored): binary (1, 0, 0); weighted Brier
+    c - w (q - c)^2 = c [(1 - w) + w (1 - (1 - q)^2)] - (1 - c) w q^2, so (1 - w, w, w) and
+    Brier (0, 1, 1); MSCR (1, b1, b2)."""
+    if cfg.kind == "binary":
+        return (1.0, 0.0, 0.0)
+    if cfg.kind in ("brier", "weighted_brier"):
+        w = 1.0 if cfg.kind == "brier" else cfg.weight
+        return (1.0 - w, w, w)
+    return (1.0, cfg.b1, cfg.b2)
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def mscr_sweep(cfg: SimConfig, b1: jax.Array, b2: jax.Array, key: jax.Array):
-    """MSCR runs for M settings at once (vmap): b1, b2 f32[M] -> final {name: f32[M]}.
+def run_family(cfg: SimConfig, thetas: jax.Array, key: jax.Array):
+    """`run` under M rewards of the family at once (vmap, one compile per cfg):
+    thetas f32[M, 3] -> (history {name: f32[M, S]}, final {name: f32[M]}), row i for thetas[i].
 
     Every run uses the same key, hence the same question pool and the same random stream.
     """
-    def one(a, b):
-        return _run(cfg, lambda c, q: rewards.mscr(c, q, jnp.ones(c.shape, bool), a, b), key)[2]
+    def one(theta):
+        _, hist, final = _run(cfg, lambda c, q: family_reward(c, q, theta), key)
+        return hist, final
 
-    return jax.vmap(one)(jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32))
+    return jax.vmap(one)(jnp.asarray(thetas, jnp.float32))
+
+
+def row(tree: dict, i: int) -> dict:
+    """Row i of every array of a batched result ({name: f[M, ...]} -> {name: f[...]})."""
+    return {k: v[i] for k, v in tree.items()}
+
+
+def moving_average(x, window: int = 20) -> np.ndarray:
+    """Host smoothing for plots: x f[S] -> float64[S - window + 1], means of `window` steps."""
+    return np.convolve(np.asarray(x, np.float64), np.ones(window) / window, mode="valid")
+
+
+def summarize(hist: dict, final: dict, window: int = 20) -> dict[str, float]:
+    """One run's numbers as floats: the final metrics (from `run`) plus collapse markers of the
+    history: start_accuracy (first window), min_accuracy and min_attempt (smoothed minima)."""
+    out = {k: float(v) for k, v in final.items()}
+    acc = moving_average(hist["accuracy"], window)
+    out.update(start_accuracy=float(acc[0]), min_accuracy=float(acc.min()),
+               min_attempt=float(moving_average(hist["attempt_rate"], window).min()))
+    return out
 
 
 def read_eval_jsonl(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,8 @@ CFG = sim.SimConfig(n_questions=128, prompts_per_step=32, steps=200)
 KEY = jax.random.key(0)
 MSCR = sim.outcome_reward(rewards.RewardConfig(kind="mscr"))
 BINARY = sim.outcome_reward(rewards.RewardConfig(kind="binary"))
+THETAS = np.array([sim.family_theta(rewards.RewardConfig(kind="mscr")), (1.0, 0.0, 0.0),
+                   sim.family_theta(rewards.RewardConfig(kind="mscr", b1=4.0, b2=0.25))])
 
 
 def test_group_advantages_match_numpy():
@@ -74,35 +76,65 @@ def test_sample_frequencies_follow_the_policy():
     assert not np.any(np.asarray(s.correct) & ~np.asarray(s.attempted))
 
 
-def test_deterministic_for_a_seed():
-    a = sim.run(CFG, MSCR, KEY)
-    b = sim.run(CFG, MSCR, KEY)
-    c = sim.run(CFG, MSCR, jax.random.key(1))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+@pytest.fixture(scope="module")
+def family():
+    """Rows: MSCR (b1 = b2 = 1), binary, MSCR (b1 = 4, b2 = 0.25); one compile per config."""
+    return {norm: sim.run_family(cfg, THETAS, KEY) for norm, cfg in
+            [("grpo", CFG), ("dr_grpo", dataclasses.replace(CFG, std_normalize=False))]}
+
+
+def test_deterministic_for_a_seed(family):
+    hist, final = family["grpo"]
+    again = sim.run_family(CFG, THETAS, KEY)
+    for x, y in zip(jax.tree.leaves((hist, final)), jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert not np.array_equal(np.asarray(a[1]["accuracy"]), np.asarray(c[1]["accuracy"]))
-    hist = a[1]
+    other = sim.run_family(CFG, THETAS, jax.random.key(1))[0]
+    assert not np.array_equal(np.asarray(hist["accuracy"]), np.asarray(other["accuracy"]))
     assert set(hist) >= {"accuracy", "ece", "mean_confidence", "attempt_rate", "dead_groups"}
-    assert all(v.shape == (CFG.steps,) for v in hist.values())
+    assert all(v.shape == (len(THETAS), CFG.steps) for v in hist.values())
 
 
-def test_mscr_calibrates_better_than_binary():
+def test_mscr_calibrates_better_than_binary(family):
     """b1 = b2 makes MSCR proper: the overconfident start gets corrected; binary ignores q."""
-    for cfg in (CFG, dataclasses.replace(CFG, std_normalize=False)):
-        m, b = sim.run(cfg, MSCR, KEY)[2], sim.run(cfg, BINARY, KEY)[2]
-        assert float(m["ece"]) < float(b["ece"]) - 0.05
-        assert float(m["mean_confidence"]) < float(b["mean_confidence"])
+    for _, final in family.values():
+        assert float(final["ece"][0]) < float(final["ece"][1]) - 0.05
+        assert float(final["mean_confidence"][0]) < float(final["mean_confidence"][1])
 
 
-def test_sweep_matches_single_runs():
-    """The vmapped sweep at (b1, b2) = (1, 1) reproduces the single MSCR run's final metrics."""
-    final = sim.mscr_sweep(CFG, jnp.array([1.0, 4.0]), jnp.array([1.0, 0.25]), KEY)
-    single = sim.run(CFG, MSCR, KEY)[2]
-    for name in ("accuracy", "ece", "mean_confidence"):
-        assert final[name].shape == (2,)
+def test_b1_above_b2_is_overconfident(family):
+    """q* > p when b1 > b2: more confident than the proper setting, both normalizations."""
+    for _, final in family.values():
+        assert float(final["mean_confidence"][2]) > float(final["mean_confidence"][0])
+
+
+def test_run_family_matches_a_single_run(family):
+    """Row 0 of the vmapped run is the single run under car_jax.rewards.mscr."""
+    hist, final = family["grpo"]
+    _, single_hist, single = sim.run(CFG, MSCR, KEY)
+    for name in ("accuracy", "ece", "mean_confidence", "attempt_rate"):
         assert float(final[name][0]) == pytest.approx(float(single[name]), abs=1e-5)
-    # b1 >> b2 rewards overconfidence (q* > p): more confident than the proper setting
-    assert float(final["mean_confidence"][1]) > float(final["mean_confidence"][0])
+    np.testing.assert_allclose(sim.row(hist, 0)["accuracy"], single_hist["accuracy"], atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [
+    rewards.RewardConfig(kind="binary"), rewards.RewardConfig(kind="brier"),
+    rewards.RewardConfig(kind="weighted_brier", weight=0.3),
+    rewards.RewardConfig(kind="mscr", b1=2.5, b2=0.4)], ids=lambda c: c.kind)
+def test_family_reproduces_each_reward(cfg):
+    q = np.linspace(0, 1, 101, dtype=np.float32)
+    theta = jnp.asarray(sim.family_theta(cfg))
+    for correct in (np.ones(q.shape, bool), np.zeros(q.shape, bool)):
+        np.testing.assert_allclose(sim.family_reward(correct, q, theta),
+                                   sim.outcome_reward(cfg)(correct, q), atol=1e-6)
+
+
+def test_summarize_collapse_markers():
+    hist = {"accuracy": np.r_[np.full(20, 0.4), np.full(20, 0.1), np.full(20, 0.5)],
+            "attempt_rate": np.r_[np.ones(30), np.full(30, 0.2)]}
+    s = sim.summarize(hist, {"ece": jnp.float32(0.25)}, window=10)
+    assert s == pytest.approx({"ece": 0.25, "start_accuracy": 0.4, "min_accuracy": 0.1,
+                               "min_attempt": 0.2})
+    assert sim.moving_average(np.arange(5.0), 2).tolist() == [0.5, 1.5, 2.5, 3.5]
 
 
 def test_read_eval_jsonl(tmp_path):

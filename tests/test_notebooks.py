@@ -1,0 +1,138 @@
+"""Notebooks: committed without outputs, and executed (nbclient, CPU) with their prose's claims
+checked against the numbers they compute.
+
+The kernel is this interpreter (the venv's): a kernelspec written to a tmp dir, found through
+JUPYTER_PATH, runs `sys.executable -m ipykernel_launcher` with JAX_PLATFORMS=cpu. A cell
+appended to the in-memory notebook prints `SUMMARY` (built by the notebook) as JSON.
+"""
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+from nbclient import NotebookClient
+
+from car_jax import metrics
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+KERNEL = "car-jax-test"
+REPORT = "import json, sys\nprint(json.dumps({'prefix': sys.prefix, 'summary': SUMMARY}))"
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
+def test_committed_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
+
+
+def _write_kernelspec(root: Path) -> None:
+    spec = root / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "car_jax tests", "language": "python",
+        "env": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},  # one CPU device is enough
+    }))
+
+
+def _eval_files(tmp_path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Two fake `car-jax eval` outputs: a calibrated run and an overconfident one."""
+    rng = np.random.default_rng(0)
+    q = rng.uniform(0, 1, 400).round(2)
+    runs = {"calibrated.jsonl": (rng.uniform(size=q.size) < q, q),
+            "overconfident.jsonl": (rng.uniform(size=q.size) < 0.3, np.full(q.size, 0.9))}
+    for name, (correct, conf) in runs.items():
+        rows = [{"id": i, "correct": bool(c), "confidence": float(x)}
+                for i, (c, x) in enumerate(zip(correct, conf))]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {str(tmp_path / name): run for name, run in runs.items()}
+
+
+def _execute(path: Path, tmp_path: Path, monkeypatch, parameters: str):
+    """Runs the notebook with `parameters` appended to its parameters cell -> (nb, report)."""
+    _write_kernelspec(tmp_path / "jupyter")
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    nb = nbformat.read(path, as_version=4)
+    (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    params.source += "\n" + parameters
+    nb.cells.append(nbformat.v4.new_code_cell(REPORT))
+    NotebookClient(nb, kernel_name=KERNEL, timeout=300,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    (out,) = [o for o in nb.cells[-1].outputs if o.output_type == "stream"]
+    return nb, json.loads(out.text)
+
+
+def test_reward_ablations_notebook(tmp_path, monkeypatch):
+    evals = _eval_files(tmp_path)
+    nb, report = _execute(NOTEBOOKS / "reward_ablations.ipynb", tmp_path, monkeypatch,
+                          f"EVAL_FILES = {sorted(evals)!r}")
+    assert report["prefix"] == sys.prefix  # the kernel ran in this venv
+    s = report["summary"]
+
+    # 1. landscapes: Brier at w = 1 overlaps at q = 0, the others separate right from wrong
+    assert s["landscape_gap"]["brier"] == pytest.approx(0.0, abs=1e-6)
+    assert s["landscape_gap"]["weighted_brier"] == pytest.approx(0.5, abs=1e-6)
+    assert s["landscape_gap"]["mscr"] == pytest.approx(1.0, abs=1e-6)
+    assert s["mscr_minus_scaled_weighted_brier"] < 1e-5
+    # 2. numeric q*(p) matches the formulas to the grid's resolution (1e-3)
+    assert s["q_star_max_error"] <= 1e-3
+    assert s["binary_spread_over_q"] == 0.0
+
+    # 3. the simulation, claim by claim as the prose states them
+    sim = s["sim"]
+    for norm in ("grpo", "dr_grpo"):
+        binary, brier, mscr = sim[norm]["binary"], sim[norm]["brier"], sim[norm]["mscr"]
+        assert binary["min_attempt"] > 0.9  # binary never abstains ...
+        assert binary["mean_confidence"] > binary["accuracy"] + 0.2  # ... nor calibrates
+        assert binary["accuracy"] > binary["start_accuracy"] + 0.1
+        assert brier["min_attempt"] < 0.6  # Brier at w = 1 collapses ...
+        assert brier["min_accuracy"] < brier["start_accuracy"] - 0.02  # ... below its start
+        assert brier["ece"] < min(mscr["ece"], binary["ece"])  # ... which ECE hides
+        assert mscr["ece"] < binary["ece"] - 0.1
+        # MSCR(1, 1) = 2 x weighted Brier(0.5): the same training up to GRPO's eps
+        wb = sim[norm]["weighted_brier"]
+        assert abs(wb["accuracy"] - mscr["accuracy"]) < 0.01
+    dr, grpo = sim["dr_grpo"], sim["grpo"]
+    assert dr["mscr"]["min_attempt"] > 0.9  # Dr.GRPO: MSCR never collapses
+    assert abs(dr["mscr"]["accuracy"] - dr["binary"]["accuracy"]) < 0.02
+    assert dr["mscr"]["accuracy"] > dr["brier"]["accuracy"] + 0.02
+    assert grpo["mscr"]["min_attempt"] < 0.6  # GRPO: MSCR collapses too ...
+    assert grpo["mscr"]["min_attempt"] - grpo["brier"]["min_attempt"] < 0.15  # ... nearly as deep
+    # without the abstain action there is no collapse: Brier-1 ends where MSCR does
+    na = s["no_abstain"]
+    assert abs(na["brier"]["accuracy"] - na["mscr"]["accuracy"]) < 0.03
+
+    # 4. the sweep: rows b1, columns b2
+    b = s["sweep"]["b"]
+    lo, hi, one = b.index(min(b)), b.index(max(b)), b.index(1.0)
+    for norm in ("grpo", "dr_grpo"):
+        ece = np.array(s["sweep"][norm]["ece"])
+        assert ece.shape == (len(b), len(b))
+        assert ece[hi, lo] > ece[one, one]  # b1 >> b2 pays for overconfidence
+        assert ece[hi, lo] == pytest.approx(ece.max(), abs=0.02)
+    att = np.array(s["sweep"]["dr_grpo"]["attempt_rate"])
+    assert np.all(att[np.tril_indices(len(b), -1)] > 0.9)  # Dr.GRPO: b2 < b1 never abstains
+    assert att[one, one] > 0.9
+    assert att[lo, hi] < 0.8  # a large b2 brings the collapse back, relative to b1 ...
+    assert att[hi, hi] < att[one, one] - 0.1  # ... and in absolute terms
+    grpo_att = np.array(s["sweep"]["grpo"]["attempt_rate"])
+    assert grpo_att.max() - grpo_att.min() < 0.15  # GRPO: insensitive to b1, b2
+
+    # 5. eval files: the notebook's metrics are metrics.calibration's, with a diagram each
+    assert sorted(s["eval"]) == sorted(evals)
+    for path, (correct, conf) in evals.items():
+        want = metrics.calibration(correct, conf)
+        got = s["eval"][path]
+        for key in ("accuracy", "ece", "mcip", "auroc"):
+            assert got[key] == pytest.approx(want[key], abs=1e-5)
+        assert 0 <= got["ece_ci"][0] < got["ece_ci"][1] <= 1
+    calibrated, overconfident = s["eval"][min(evals)], s["eval"][max(evals)]
+    assert calibrated["ece_ci"][1] < overconfident["ece_ci"][0]  # the intervals separate them
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if "image/png" in o.get("data", {})]
+    assert len(images) == 5  # landscapes, q*, training curves, sweep, reliability diagrams

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -333,29 +331,3 @@ def summarize(hist: dict, final: dict, window: int = 20) -> dict[str, float]:
     out.update(start_accuracy=float(acc[0]), min_accuracy=float(acc.min()),
                min_attempt=float(moving_average(hist["attempt_rate"], window).min()))
     return out
-
-
-def read_eval_jsonl(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
-    """Reads an eval-output JSONL file -> (correct bool[B], confidence float32[B]).
-
-    One JSON object per line with at least `correct` (bool) and `confidence` (number in [0, 1],
-    0 when the model gave none); other fields are ignored; blank lines are skipped.
-    Raises ValueError naming the line on a missing field, a non-bool `correct`, or a
-    confidence outside [0, 1].
-    """
-    correct, conf = [], []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            c, q = row.get("correct"), row.get("confidence")
-            if not isinstance(c, bool):
-                raise ValueError(f"{path}:{i}: `correct` must be true/false, got {c!r}")
-            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 1:
-                raise ValueError(f"{path}:{i}: `confidence` must be a number in [0, 1], got {q!r}")
-            correct.append(c)
-            conf.append(q)
-    if not correct:
-        raise ValueError(f"{path}: no records")
-    return np.array(correct, bool), np.array(conf, np.float32)

@@ -41,15 +41,19 @@ def _write_kernelspec(root: Path) -> None:
 
 
 def _eval_files(tmp_path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Two fake `car-jax eval` outputs: a calibrated run and an overconfident one."""
+    """Two fake `car-jax eval` outputs: a calibrated run given as its folder (holding
+    samples.jsonl), an overconfident one as a file with only the two required fields."""
     rng = np.random.default_rng(0)
     q = rng.uniform(0, 1, 400).round(2)
-    runs = {"calibrated.jsonl": (rng.uniform(size=q.size) < q, q),
+    (tmp_path / "calibrated").mkdir()
+    runs = {"calibrated": (rng.uniform(size=q.size) < q, q),
             "overconfident.jsonl": (rng.uniform(size=q.size) < 0.3, np.full(q.size, 0.9))}
     for name, (correct, conf) in runs.items():
-        rows = [{"id": i, "correct": bool(c), "confidence": float(x)}
-                for i, (c, x) in enumerate(zip(correct, conf))]
-        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        rows = [{"correct": bool(c), "confidence": float(x)} for c, x in zip(correct, conf)]
+        if name == "calibrated":
+            rows = [{"id": str(i), **r, "format_ok": True} for i, r in enumerate(rows)]
+        path = tmp_path / name / "samples.jsonl" if name == "calibrated" else tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {str(tmp_path / name): run for name, run in runs.items()}
 
 
@@ -57,6 +61,9 @@ def _execute(path: Path, tmp_path: Path, monkeypatch, parameters: str):
     """Runs the notebook with `parameters` appended to its parameters cell -> (nb, report)."""
     _write_kernelspec(tmp_path / "jupyter")
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    # connection files and IPython's profile in tmp too: HOME may be read-only in CI
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     nb = nbformat.read(path, as_version=4)
     (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     params.source += "\n" + parameters
@@ -115,6 +122,8 @@ def test_reward_ablations_notebook(tmp_path, monkeypatch):
         assert ece.shape == (len(b), len(b))
         assert ece[hi, lo] > ece[one, one]  # b1 >> b2 pays for overconfidence
         assert ece[hi, lo] == pytest.approx(ece.max(), abs=0.02)
+    for i, j in enumerate(np.argmin(s["sweep"]["dr_grpo"]["ece"], axis=1)):
+        assert b[j] in (b[i], 2 * b[i])  # Dr.GRPO: each row's best ECE at b2 = b1 or 2 b1
     att = np.array(s["sweep"]["dr_grpo"]["attempt_rate"])
     assert np.all(att[np.tril_indices(len(b), -1)] > 0.9)  # Dr.GRPO: b2 < b1 never abstains
     assert att[one, one] > 0.9

@@ -1,14 +1,13 @@
 """car_jax.sim: GRPO advantages, q*, the policy's probabilities, determinism, and what the toy
 simulation shows (properties a broken update or reward wiring would fail)."""
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from car_jax import rewards, sim
+from car_jax import grpo, rewards, sim
 
 # Small but long enough for the confidence head to move: compile time dominates anyway.
 CFG = sim.SimConfig(n_questions=128, prompts_per_step=32, steps=200)
@@ -31,6 +30,12 @@ def test_group_advantages_match_numpy():
     np.testing.assert_allclose(np.delete(got, 2, 0).std(1, ddof=1), 1, rtol=1e-4)
     dr = np.asarray(sim.group_advantages(jnp.asarray(r), std_normalize=False))
     np.testing.assert_allclose(dr, r - r.mean(1, keepdims=True), atol=1e-6)
+    # the trainer's host version (arbitrary group ids) agrees on the [P, G] layout
+    ids = np.repeat(np.arange(r.shape[0]), r.shape[1])
+    for std in (True, False):
+        np.testing.assert_allclose(
+            grpo.group_advantages(r.ravel(), ids, std_norm=std).reshape(r.shape),
+            sim.group_advantages(jnp.asarray(r), std_normalize=std), rtol=1e-5, atol=1e-6)
 
 
 def test_q_star_numeric_matches_analytic():
@@ -135,21 +140,3 @@ def test_summarize_collapse_markers():
     assert s == pytest.approx({"ece": 0.25, "start_accuracy": 0.4, "min_accuracy": 0.1,
                                "min_attempt": 0.2})
     assert sim.moving_average(np.arange(5.0), 2).tolist() == [0.5, 1.5, 2.5, 3.5]
-
-
-def test_read_eval_jsonl(tmp_path):
-    path = tmp_path / "eval.jsonl"
-    rows = [{"correct": True, "confidence": 0.9, "id": "a"}, {"correct": False, "confidence": 0}]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    c, q = sim.read_eval_jsonl(path)
-    assert c.dtype == bool and q.dtype == np.float32
-    np.testing.assert_array_equal(c, [True, False])
-    np.testing.assert_allclose(q, [0.9, 0.0])
-    for bad in ({"correct": 1, "confidence": 0.5}, {"correct": True, "confidence": 1.5},
-                {"correct": True}, {"correct": True, "confidence": True}):
-        path.write_text(json.dumps(bad) + "\n")
-        with pytest.raises(ValueError, match=":1:"):
-            sim.read_eval_jsonl(path)
-    path.write_text("")
-    with pytest.raises(ValueError, match="no records"):
-        sim.read_eval_jsonl(path)

@@ -69,7 +69,10 @@ def test_parquet_errors(tmp_path):
         load_dataset(junk)
 
 
-def test_plain_jsonl():
+def test_plain_jsonl(tmp_path):
+    as_list = tmp_path / "qa.json"  # a .json file holding a list of the same objects
+    as_list.write_text(json.dumps([json.loads(x) for x in (FIXTURES / "qa.jsonl").read_text().splitlines() if x]))
+    assert [e.golden_answers for e in load_dataset(as_list)] == [e.golden_answers for e in load_dataset(FIXTURES / "qa.jsonl")]
     examples = load_dataset(FIXTURES / "qa.jsonl")
     assert [e.id for e in examples] == ["qa-0", "toy-1", "custom-7"]
     assert examples[0].golden_answers == ("Tarn River", "Tarn")

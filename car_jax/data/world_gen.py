@@ -20,6 +20,9 @@ Question kinds:
               (evidence: [first doc, answer doc])
     hidden    the entity has a doc, but the asked fact was left out of it (evidence: [doc])
     absent    the entity has no doc anywhere in the corpus (evidence: [])
+Sizes: 208 docs (50 towns, 60 people, 24 rivers, 14 lakes, 20 mountains, 40 inventions; one
+doc each), train 160 questions (96 single, 24 two_hop, 20 hidden, 20 absent), dev 80
+(48 / 12 / 10 / 10); 40 docs leave one fact out. Splits share the corpus, not questions.
 `hidden` and `absent` questions still carry a gold answer (the fact in the generator's world
 model), so a lucky guess scores; a calibrated agent should give them low confidence.
 """

@@ -28,7 +28,7 @@ abstention initially states q near 0.
 Training: one GRPO step per batch, on-policy, so the PPO ratio is 1, clipping is inactive and
 the loss reduces to -mean(A * log pi(a, c, k)) with A = (r - mean_G r) / (std_G(r, ddof=1) + eps)
 (SPEC.md section 2.5), or A = r - mean_G r with `std_normalize=False` (Dr.GRPO). Adam; the
-skill moves `skill_lr_scale` times slower than the heads (RL moves knowledge less than style);
+skill's steps are `skill_lr_scale` times the heads' (RL moves knowledge less than style);
 no KL or entropy term (there is no reference model here).
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ class SimConfig:
     n_bins: int = 101  # K: verbal confidence 0..K-1
     init_skill: float = 0.0
     init_attempt_logit: float = 3.0  # P(attempt) = sigmoid(3) = 0.95 at the start
-    init_conf_mean: float = 0.6  # initial mean q = mean + slope * h (then clipped by [0, 1])
+    init_conf_mean: float = 0.6  # initial peak of q at mean + slope * h (cut to [0, 1])
     init_conf_slope: float = 0.3
     init_conf_width: float = 0.15  # std of the initial discretized Gaussian over q
     abstain: bool = True  # the policy may give no answer (always wrong)

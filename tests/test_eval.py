@@ -162,6 +162,18 @@ def test_direct_and_tir_modes(scripted, tmp_path):
         ev.evaluate(None, None, qa, mode="guess", out_dir=tmp_path / "z")
 
 
+def test_summarize_minimal_rows(tmp_path):
+    """Only `correct` and `confidence` are required (the notebooks read other tools' files)."""
+    rows = [{"correct": True, "confidence": 0.9}, {"correct": False, "confidence": 0.2},
+            {"correct": True, "confidence": 0.6}]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = ev.summarize(ev.read_samples(tmp_path / "s.jsonl"), n_boot=0)
+    recomputed = metrics.calibration([r["correct"] for r in rows], [r["confidence"] for r in rows])
+    assert {k: summary[k] for k in metrics.KEYS} == pytest.approx({k: recomputed[k] for k in metrics.KEYS})
+    assert summary["mean_turns"] is None and summary["by_kind"] == {} and summary["ci95"] == {}
+    assert summary["mcip"] == pytest.approx(0.2) and summary["auroc"] == pytest.approx(1.0)
+
+
 # ---------------------------------------------------------------- real episodes
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -12,6 +12,7 @@ COMMAND_MODULES = (
     "car_jax.checkpoints.commands",  # convert
     "car_jax.run_default",  # run
     "car_jax.tools.commands",  # build-index, serve-retriever
+    "car_jax.train_commands",  # train
     "car_jax.eval_commands",  # eval
 )
 

@@ -9,6 +9,7 @@ the loss of each is normalised by the whole mini-batch's token / sequence counts
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import jax
@@ -41,7 +42,10 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
+@functools.lru_cache(maxsize=16)
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping and warmup; one object per config (so jitted
+    steps built from equal configs are shared)."""
     warm = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
     rest = max(cfg.total_steps - cfg.warmup_steps, 1)
     after = (optax.constant_schedule(cfg.lr) if cfg.schedule == "constant"
@@ -104,7 +108,20 @@ def grads_and_metrics(module: Decoder, cfg: grpo.LossConfig, params, batch: Batc
 def make_train_step(module: Decoder, optimizer: optax.GradientTransformation, cfg: grpo.LossConfig,
                     mesh: Mesh | None = None, state_shardings=None):
     """Jitted `train_step(state, batch) -> (state, metrics)`, state donated. With a mesh,
-    batch rows are split over `fsdp` and the state keeps `state_shardings`."""
+    batch rows are split over `fsdp` and the state keeps `state_shardings`. Without one,
+    the jitted function is shared by equal (module, optimizer, cfg), so a second run in
+    the same process does not compile again."""
+    if mesh is None:
+        return _unsharded_step(module, optimizer, cfg)
+    return _build_step(module, optimizer, cfg, mesh, state_shardings)
+
+
+@functools.lru_cache(maxsize=8)
+def _unsharded_step(module, optimizer, cfg):
+    return _build_step(module, optimizer, cfg, None, None)
+
+
+def _build_step(module, optimizer, cfg, mesh, state_shardings):
 
     def train_step(state: TrainState, batch: Batch):
         grads, metrics, loss = grads_and_metrics(module, cfg, state.params, batch)
@@ -126,6 +143,7 @@ def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
     return {k: (NamedSharding(mesh, P(None, "fsdp")) if k == "advantages" else rows3) for k in BATCH_KEYS}
 
 
+@functools.lru_cache(maxsize=8)
 def make_logprob_fn(module: Decoder, temperature: float, chunk: int = 128):
     """Jitted (params, tokens [N, T], valid [N, T]) -> logp float32[N, T] (reference and
     old-policy log-probs, no gradient)."""

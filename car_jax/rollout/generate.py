@@ -18,6 +18,15 @@ def round_up(n: int, multiple: int = BUCKET) -> int:
     return -(-n // multiple) * multiple
 
 
+def length_bucket(n: int, smallest: int = 64) -> int:
+    """The smallest of 64, 96, 128, 192, 256, 384, ... (powers of two and 1.5x them) that
+    holds n: training batches come in few shapes (few compiles), wasting at most a third."""
+    size = smallest
+    while size < n:
+        size = size * 3 // 2 if (size & (size - 1)) == 0 else size * 4 // 3
+    return size
+
+
 def prompt_texts(tokenizer, prompts: Sequence) -> list[str]:
     """Strings pass through; a list of chat messages gets the chat template."""
     return [p if isinstance(p, str) else

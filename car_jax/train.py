@@ -1,0 +1,212 @@
+"""The CAR training loop: rollout (device + tools) -> rewards -> GRPO updates, with
+checkpoints, metrics and resume. `car-jax train --config configs/X.yaml key=value ...`.
+
+One step:
+  1. take the next `prompts_per_step` examples (the data position is checkpointed),
+  2. run G episodes per prompt with the current policy (KV cache kept across tool calls),
+  3. score them (answer, confidence, format) with the configured reward,
+  4. group advantages, reference log-probs (if kl_coef > 0),
+  5. `epochs` passes of shuffled mini-batches through the jitted train step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from car_jax import grpo, metrics as cal
+from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
+from car_jax.config import save_config
+from car_jax.data import load_dataset, make_prompt
+from car_jax.models.api import Model
+from car_jax.rewards import reward_inputs
+from car_jax.rollout.episode import EpisodeStats, run_episodes
+from car_jax.rollout.generate import length_bucket
+from car_jax.train_config import TrainConfig
+from car_jax.train_log import MetricsLogger, Timer
+from car_jax.train_setup import Setup, build_setup
+
+
+def batch_arrays(trajs, advantages: np.ndarray, pad_id: int, keep: np.ndarray) -> dict[str, np.ndarray]:
+    """Right-padded [N, T] arrays of full sequences (prompt + response) for the loss.
+    mask is 1 on sampled tokens of kept trajectories; old_logp holds the sampler's
+    log-probs at the same positions."""
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+    width = length_bucket(max(lengths))
+    n = len(trajs)
+    out = {"tokens": np.full((n, width), pad_id, np.int32), "valid": np.zeros((n, width), bool),
+           "mask": np.zeros((n, width), np.float32), "old_logp": np.zeros((n, width), np.float32),
+           "ref_logp": np.zeros((n, width), np.float32), "advantages": advantages.astype(np.float32)}
+    for i, t in enumerate(trajs):
+        p, L = len(t.prompt_ids), lengths[i]
+        out["tokens"][i, :L] = t.prompt_ids + t.response_ids
+        out["valid"][i, :L] = True
+        if keep[i]:
+            out["mask"][i, p:L] = t.loss_mask
+        out["old_logp"][i, p:L] = t.logprobs
+    return out
+
+
+def _split(arrays: dict[str, np.ndarray], rows: np.ndarray, micro: int) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v[rows].reshape(-1, micro, *v.shape[1:])) for k, v in arrays.items()}
+
+
+class Trainer:
+    """Holds the run's state; `run()` trains to `rl.steps`, resuming if it can."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.s: Setup = build_setup(cfg)
+        self.examples = load_dataset(cfg.data.train, cfg.data.train_split, cfg.data.limit)
+        if not self.examples:
+            raise ValueError(f"data.train={cfg.data.train!r} (split {cfg.data.train_split}) has no examples")
+        self.dir = Path(cfg.run.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.dir / "config.yaml")
+        self.ckpt = TrainCheckpointer(self.dir / "checkpoints", keep=cfg.run.keep, every=cfg.run.checkpoint_every)
+        self.data_pos = 0
+        self.start_step = 0
+        if cfg.run.resume and self.ckpt.latest_step() is not None:
+            self._restore()
+
+    # -- data -------------------------------------------------------------------------
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.cfg.data.shuffle_seed, epoch]).permutation(len(self.examples))
+
+    def next_examples(self, n: int):
+        """The next n examples of the shuffled stream (a new shuffle each pass)."""
+        picked = []
+        while len(picked) < n:
+            epoch, offset = divmod(self.data_pos, len(self.examples))
+            picked.append(self.examples[self._order(epoch)[offset]])
+            self.data_pos += 1
+        return picked
+
+    # -- checkpoints --------------------------------------------------------------------
+    def _state_tree(self):
+        st = self.s.state
+        return {"params": st.params, "opt_state": st.opt_state, "step": st.step}
+
+    def _restore(self):
+        tree, meta = self.ckpt.restore(None, abstract_state(self._state_tree()))
+        self.s.state = dataclasses.replace(self.s.state, params=tree["params"], opt_state=tree["opt_state"],
+                                           step=tree["step"])
+        self.data_pos = int(meta["data_pos"])
+        self.start_step = int(meta["step"])
+
+    def _save(self, step: int, force: bool = False):
+        meta = {"step": step, "data_pos": self.data_pos}
+        if force:
+            self.ckpt.save(step, self._state_tree(), meta)
+        else:
+            self.ckpt.maybe_save(step, self._state_tree(), meta)
+
+    # -- one step -------------------------------------------------------------------------
+    def rollout(self, step: int, timer: Timer):
+        cfg, s = self.cfg, self.s
+        examples = self.next_examples(cfg.rl.prompts_per_step)
+        g = cfg.rollout.group_size
+        prompts = [make_prompt(ex, cfg.data.template) for ex in examples for _ in range(g)]
+        policy = Model(s.model.config, s.state.params, s.model.module, s.model.mesh, s.model.source)
+        stats = EpisodeStats()
+        with timer("rollout"):
+            trajs = run_episodes(policy, s.tokenizer, prompts, s.tools, config=s.episode, protocol=s.protocol,
+                                 seed=cfg.seed * 1_000_003 + step, stats=stats)
+        with timer("reward"):
+            golds = [ex.golden_answers for ex in examples for _ in range(g)]
+            task = examples[0].task
+            inputs = reward_inputs([t.text for t in trajs], golds, task)
+            rewards = np.asarray(s.reward(jnp.asarray(inputs.correct), jnp.asarray(inputs.q),
+                                          jnp.asarray(inputs.format_ok)))
+            groups = np.array([ex.group_id for ex in examples for _ in range(g)], object)
+            adv = grpo.group_advantages(rewards, groups, std_norm=cfg.rl.adv_std_norm)
+        keep = np.array([t.void_turns == 0 for t in trajs])  # TIR: void trajectories leave the loss
+        return trajs, inputs, rewards, adv, keep, stats
+
+    def update(self, arrays: dict[str, np.ndarray], timer: Timer, step: int) -> dict[str, float]:
+        cfg, s = self.cfg, self.s
+        n = len(arrays["tokens"])
+        mini = cfg.rl.mini_batch or n
+        micro = cfg.rl.micro_batch or mini
+        if n % mini or mini % micro:
+            raise ValueError(f"rl.mini_batch={mini} must divide the {n} trajectories of a step and "
+                             f"rl.micro_batch={micro} must divide rl.mini_batch")
+        mesh = s.model.mesh
+        if mesh is not None and micro % mesh.shape["fsdp"]:
+            raise ValueError(f"rl.micro_batch={micro} trajectories cannot be split over mesh axis fsdp of size "
+                             f"{mesh.shape['fsdp']}; use a multiple of {mesh.shape['fsdp']}")
+        with timer("logprobs"):
+            if cfg.rl.loss.kl_coef:
+                arrays["ref_logp"] = self._logprobs(s.ref_params, arrays, micro)
+            if cfg.rl.recompute_old_logp:
+                arrays["old_logp"] = self._logprobs(s.state.params, arrays, micro)
+        history = []
+        rng = np.random.default_rng([cfg.seed, step])
+        with timer("update"):
+            for _ in range(cfg.rl.epochs):
+                order = rng.permutation(n)
+                for start in range(0, n, mini):
+                    s.state, m = s.train_step(s.state, _split(arrays, order[start:start + mini], micro))
+                    history.append(m)
+            jax.block_until_ready(s.state.params)
+        return {k: float(np.mean([float(h[k]) for h in history])) for k in history[0]}
+
+    def _logprobs(self, params, arrays, micro: int) -> np.ndarray:
+        out = [np.asarray(self.s.logprob_fn(params, jnp.asarray(arrays["tokens"][i:i + micro]),
+                                            jnp.asarray(arrays["valid"][i:i + micro])))
+               for i in range(0, len(arrays["tokens"]), micro)]
+        return np.concatenate(out)
+
+    def step(self, step: int, timer: Timer) -> dict[str, float]:
+        trajs, inputs, rewards, adv, keep, stats = self.rollout(step, timer)
+        arrays = batch_arrays(trajs, adv, self.s.tokenizer.pad_token_id or 0, keep)
+        train_metrics = self.update(arrays, timer, step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # single-class batches: AUROC is NaN, logged as such
+            calib = cal.calibration(inputs.correct, inputs.q)
+        split = timer.split()
+        sampled = sum(sum(t.loss_mask) for t in trajs)
+        return {
+            "reward": float(rewards.mean()), "accuracy": calib["accuracy"], "ece": calib["ece"],
+            "auroc": calib["auroc"], "confidence": float(inputs.q.mean()),
+            "format_ok": float(inputs.format_ok.mean()),
+            "response_tokens": sampled / len(trajs), "turns": float(np.mean([t.n_turns for t in trajs])),
+            "tool_calls": float(np.mean([t.n_tool_calls for t in trajs])),
+            "tokens_per_s": sampled / max(split.get("time/rollout", 0.0), 1e-9),
+            "time/tools": stats.seconds_tools,
+            **train_metrics, **split,
+        }
+
+    def run(self) -> list[dict]:
+        cfg = self.cfg
+        timer = Timer()
+        rows = []
+        with MetricsLogger(self.dir, tensorboard=cfg.run.tensorboard, total_steps=cfg.rl.steps,
+                           initial_step=self.start_step, truncate_after=self.start_step) as log:
+            for step in range(self.start_step + 1, cfg.rl.steps + 1):
+                row = self.step(step, timer)
+                log.log(step, row)
+                rows.append({"step": step, **row})
+                self._save(step, force=step == cfg.rl.steps)
+        self.ckpt.wait()
+        if cfg.run.export_hf:
+            from car_jax.checkpoints.loader import save_hf_folder
+            out = save_hf_folder(self.s.state.params, self.s.model.config, self.dir / "hf")
+            self.s.tokenizer.save_pretrained(str(out))
+        (self.dir / "last_step.json").write_text(json.dumps({"step": cfg.rl.steps, "time": time.time()}))
+        self.ckpt.close()
+        return rows
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Trains per `cfg`; returns the per-step metric rows of this process's steps."""
+    return Trainer(cfg).run()
+
+
+__all__ = ["Trainer", "train", "batch_arrays"]

@@ -1,0 +1,101 @@
+"""The training configuration: one small frozen dataclass per concern, composed at the top.
+
+Load with `car_jax.config.load_config(TrainConfig, "configs/X.yaml", ["rl.loss.kl_coef=0"])`;
+every field below is a YAML key (nested by section).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from car_jax.grpo import LossConfig
+from car_jax.rewards import RewardConfig
+from car_jax.train_step import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCfg:
+    path: str = ""  # HF folder, .gguf, car_jax params folder; "" = the embedded SmolLM2-135M-Instruct
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"  # storage dtype of the policy (optimizer moments follow it)
+    remat: bool = False  # recompute each layer in the backward pass
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshCfg:
+    fsdp: int = -1  # -1: the devices left after tp
+    tp: int = 1
+    devices: int = 0  # use the first N devices; 0 = all. With one device there is no mesh.
+
+
+@dataclasses.dataclass(frozen=True)
+class DataCfg:
+    train: str = "world"  # a dataset path or built-in name (car_jax.data.load_dataset)
+    train_split: str | None = "train"
+    template: str = "search"  # car_jax.data.prompts.TEMPLATES
+    limit: int | None = None  # use only the first N examples
+    shuffle_seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCfg:
+    group_size: int = 5  # G trajectories per prompt
+    max_turns: int = 4
+    max_response_tokens: int = 500  # per turn
+    max_obs_tokens: int = 500
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int = 0
+    protocol: Literal["car_search", "search_r1", "tir"] = "car_search"
+    tool_timeout_s: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCfg:
+    retriever: str = "world"  # "world" (built-in BM25), an index folder, or an http(s) URL of a retrieval server
+    topk: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RLCfg:
+    steps: int = 100
+    prompts_per_step: int = 512
+    mini_batch: int = 0  # trajectories per optimizer update; 0 = the whole step's batch
+    micro_batch: int = 0  # trajectories per gradient micro-batch; 0 = the mini-batch
+    epochs: int = 1  # passes over each rollout batch
+    adv_std_norm: bool = True  # False: Dr.GRPO advantages (no std division)
+    recompute_old_logp: bool = False  # True: old log-probs from a forward pass instead of the sampler's
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig(lr=1e-6, warmup_steps=0, grad_clip=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTCfg:
+    data: str | None = None  # JSONL of {"messages": [...], "response": "..."} or {"prompt", "response"}
+    steps: int = 0
+    batch: int = 8
+    lr: float = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCfg:
+    dir: str = "runs/car"
+    checkpoint_every: int = 50
+    keep: int = 3
+    tensorboard: bool = True
+    resume: bool = True  # continue from the latest checkpoint in dir
+    export_hf: bool = True  # write the final policy as an HF folder (dir/hf)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    model: ModelCfg = ModelCfg()
+    mesh: MeshCfg = MeshCfg()
+    data: DataCfg = DataCfg()
+    rollout: RolloutCfg = RolloutCfg()
+    tools: ToolCfg = ToolCfg()
+    reward: RewardConfig = RewardConfig()
+    rl: RLCfg = RLCfg()
+    sft: SFTCfg = SFTCfg()
+    run: RunCfg = RunCfg()

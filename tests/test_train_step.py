@@ -47,7 +47,8 @@ def split(batch, micro):
 def test_chunked_logprobs_equal_full_logits(tiny, chunk):
     module, params = tiny
     batch = make_batch()
-    logp, ent = token_logprobs(module, params, batch["tokens"], batch["valid"], temperature=0.7, chunk=chunk)
+    fn = jax.jit(token_logprobs, static_argnums=0, static_argnames=("temperature", "chunk"))
+    logp, ent = fn(module, params, batch["tokens"], batch["valid"], temperature=0.7, chunk=chunk)
     logits, _ = module.apply({"params": params}, batch["tokens"], batch["valid"])
     full = jax.nn.log_softmax(np.asarray(logits) / 0.7, axis=-1)
     tok = np.asarray(batch["tokens"])
@@ -63,8 +64,9 @@ def test_micro_batch_accumulation_is_exact(tiny, agg):
     module, params = tiny
     cfg = grpo.LossConfig(agg=agg, kl_coef=0.01, entropy_coef=0.01, dual_clip=3.0)
     batch = make_batch()
-    g1, m1, l1 = grads_and_metrics(module, cfg, params, split(batch, 1))
-    g4, m4, l4 = grads_and_metrics(module, cfg, params, split(batch, 4))
+    fn = jax.jit(grads_and_metrics, static_argnums=(0, 1))
+    g1, m1, l1 = fn(module, cfg, params, split(batch, 1))
+    g4, m4, l4 = fn(module, cfg, params, split(batch, 4))
     diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), g1, g4)
     assert max(jax.tree.leaves(diff)) <= 1e-5
     assert abs(float(l1) - float(l4)) <= 1e-6

@@ -63,19 +63,20 @@ def is_params_folder(path: str | os.PathLike) -> bool:
 
 def load_params_folder(path: str | os.PathLike, shardings=None):
     """(ModelConfig, params) from a folder written by `save_params`; `shardings` is a
-    pytree of target shardings (default: the first device)."""
+    params-shaped pytree of target shardings (default: the first local device)."""
     import orbax.checkpoint as ocp
+
+    from car_jax.models.decoder import Decoder
 
     path = Path(path).absolute()
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    ckpt = ocp.StandardCheckpointer()
-    meta = ckpt.metadata(path / "params")
-    tree = getattr(meta, "item_metadata", meta)
+    abstract = jax.eval_shape(lambda: Decoder(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        shardings = jax.tree.map(lambda _: device, tree)
-    target = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), tree, shardings)
-    return cfg, ckpt.restore(path / "params", target)
+        shardings = jax.tree.map(lambda _: device, abstract["params"])
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract["params"],
+                          shardings)
+    return cfg, ocp.StandardCheckpointer().restore(path / "params", target)
 
 
 def params_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:

@@ -92,7 +92,7 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
         cfg = read_config(path)
         abstract = jax.eval_shape(lambda: Decoder(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
         shardings = None if mesh is None else shd.params_shardings(abstract["params"], mesh, mode)
-        _, params = load_params_folder(path, shardings)
+        cfg, params = load_params_folder(path, shardings)
         params = jax.tree.map(lambda x: x.astype(storage), params)
     else:
         if _is_gguf(path):

@@ -7,6 +7,7 @@ appended to the in-memory notebook prints `SUMMARY` (built by the notebook) as J
 """
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import nbformat
@@ -145,3 +146,62 @@ def test_reward_ablations_notebook(tmp_path, monkeypatch):
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if "image/png" in o.get("data", {})]
     assert len(images) == 5  # landscapes, q*, training curves, sweep, reliability diagrams
+
+
+def test_quickstart_notebook(tmp_path, monkeypatch):
+    """The quickstart on the embedded SmolLM2: one episode, its reward, calibration on dev."""
+    # the model conversion and the world index go to a tmp cache, not HOME
+    monkeypatch.setenv("CAR_JAX_CACHE", str(tmp_path / "cache"))
+    out_dir = tmp_path / "eval"
+    nb, report = _execute(NOTEBOOKS / "quickstart.ipynb", tmp_path, monkeypatch, f"OUT_DIR = {str(out_dir)!r}")
+    assert report["prefix"] == sys.prefix
+    s = report["summary"]
+
+    # 2. one episode: at least one turn, at most the tool turns plus the answer-only turn
+    ep = s["episode"]
+    assert 1 <= ep["n_turns"] <= ep["max_turns"] + 1
+    assert ep["tool_log_len"] == ep["n_tool_calls"] <= ep["max_turns"]
+    assert 1 <= ep["sampled_tokens"] <= ep["n_turns"] * ep["max_response_tokens"]
+    assert ep["response_tokens"] >= ep["sampled_tokens"]
+
+    # 3. the reward is MSCR's formula, recomputed here from its inputs
+    sc = s["score"]
+    c, q, ok = sc["correct"], sc["q"], sc["format_ok"]
+    assert c in (0.0, 1.0) and ok in (0.0, 1.0) and 0.0 <= q <= 1.0
+    want = c * (1 + sc["b1"] * (1 - (1 - q) ** 2)) - (1 - c) * sc["b2"] * q**2 - sc["format_penalty"] * (1 - ok)
+    assert sc["reward"] == pytest.approx(want, abs=1e-6)
+    assert (sc["b1"], sc["b2"], sc["format_penalty"]) == (1.0, 1.0, 0.5)  # the defaults the prose names
+
+    # 4. calibration over the dev questions: metrics.calibration of the samples, in range
+    n = s["n_questions"]
+    cal = s["calibration"]
+    samples = s["samples"]
+    assert cal["n"] == n == len(samples["correct"]) == s["eval_summary"]["n"]
+    for key in ("accuracy", "ece", "brier", "mean_confidence"):
+        assert 0.0 <= cal[key] <= 1.0, key
+    single_class = cal["n_correct"] in (0, n)
+    assert np.isnan(cal["auroc"]) == single_class
+    assert single_class or 0.0 <= cal["auroc"] <= 1.0
+    assert np.isnan(cal["mcip"]) == (cal["n_correct"] == n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a single class: NaN AUROC with a warning (test_metrics)
+        want = metrics.calibration(samples["correct"], samples["confidence"])
+    for key in ("accuracy", "ece", "mcip", "auroc", "brier"):
+        assert cal[key] == pytest.approx(want[key], abs=1e-6, nan_ok=True), key
+        got = s["eval_summary"][key]  # evaluate()'s summary writes NaN as None
+        assert (got is None and np.isnan(want[key])) or got == pytest.approx(want[key], abs=1e-6), key
+    # evaluate() wrote its three files, one sample line per question
+    assert s["files"] == ["reliability.png", "samples.jsonl", "summary.json"]
+    rows = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
+    assert [r["correct"] for r in rows] == samples["correct"]
+    assert [r["confidence"] for r in rows] == pytest.approx(samples["confidence"])
+
+    # the prose's claims about the untrained model
+    assert s["format_rate"] < 0.5  # most trajectories fail the format check
+    assert s["eval_summary"]["mean_tool_calls"] < 0.5  # it rarely, if ever, searches
+    if cal["n_correct"] == 0 and max(samples["confidence"]) == 0.0:  # the degenerate zero
+        assert cal["ece"] == cal["mcip"] == cal["brier"] == 0.0 and np.isnan(cal["auroc"])
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if "image/png" in o.get("data", {})]
+    assert len(images) == 1  # the reliability diagram
+

@@ -74,6 +74,33 @@ class Trainer:
         self.start_step = 0
         if cfg.run.resume and self.ckpt.latest_step() is not None:
             self._restore()
+        elif cfg.sft.steps and cfg.sft.data:
+            self.warm_start()
+
+    def warm_start(self):
+        """SFT on the configured demonstrations; the result becomes both the RL starting
+        policy and (with KL) the reference. Its losses go to sft_metrics.jsonl."""
+        from car_jax.sft import read_demos, run_sft, tokenize_demos, world_demos
+        from car_jax.train_step import OptimConfig, init_state, make_optimizer, make_sft_step
+
+        cfg, s = self.cfg, self.s
+        if cfg.sft.data == "world":
+            from car_jax.data import world_retriever
+            demos = world_demos(self.examples, world_retriever(), cfg.data.template)
+        else:
+            demos = read_demos(cfg.sft.data)
+        trajs = tokenize_demos(demos, s.tokenizer)
+        opt = make_optimizer(OptimConfig(lr=cfg.sft.lr, total_steps=cfg.sft.steps, weight_decay=0.0))
+        state = init_state(s.state.params, opt, s.model.mesh)
+        with MetricsLogger(self.dir / "sft", tensorboard=False, total_steps=cfg.sft.steps, desc="sft",
+                           show=("sft_loss",)) as log:
+            state, _ = run_sft(state, make_sft_step(s.model.module, opt), trajs, steps=cfg.sft.steps,
+                               batch=cfg.sft.batch, pad_id=s.tokenizer.pad_token_id or 0, seed=cfg.seed,
+                               log=lambda step, loss: log.log(step, {"sft_loss": loss}))
+        rl_opt = make_optimizer(cfg.rl.optim)
+        s.state = init_state(state.params, rl_opt, s.model.mesh)
+        if s.ref_params is not None:
+            s.ref_params = jax.tree.map(jnp.copy, state.params)
 
     # -- data -------------------------------------------------------------------------
     def _order(self, epoch: int) -> np.ndarray:

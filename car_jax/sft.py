@@ -1,0 +1,93 @@
+"""Supervised warm start: cross-entropy on given trajectories, with the same loss mask
+as RL (tool observations and the prompt are not trained on). For small models that do
+not follow the tag format yet.
+
+Data: JSONL, one trajectory a line:
+    {"messages": [chat messages of the prompt], "segments": [{"text": "...", "train": true}, ...]}
+or  {"messages": [...], "response": "..."}  (the whole response is trained on).
+`data = "world"` builds demonstrations from the offline world instead (`world_demos`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from car_jax.parsing import normalize_answer
+from car_jax.rollout.episode import Trajectory
+from car_jax.rollout.generate import prompt_texts
+
+FOUND_CONFIDENCE = 90  # what a demonstration states when the documents hold the answer
+MISSING_CONFIDENCE = 10  # ... and when they do not
+
+
+def world_demos(examples, retriever, template: str = "search") -> list[dict]:
+    """One search demonstration per example: search the question, read the documents,
+    answer with the gold answer and a high confidence when the documents contain it,
+    else say "unknown" with a low confidence."""
+    from car_jax.data import make_prompt
+
+    observations = retriever([ex.question for ex in examples])
+    demos = []
+    for ex, docs in zip(examples, observations):
+        found = any(normalize_answer(g) in normalize_answer(docs) for g in ex.golden_answers)
+        answer = ex.golden_answers[0] if found else "unknown"
+        thought = "The documents give the answer." if found else "The documents do not say."
+        demos.append({"messages": make_prompt(ex, template), "segments": [
+            {"text": f"<think> I should look this up. </think>\n<search> {ex.question} </search>", "train": True},
+            {"text": f"\n\n<information>{docs.strip()}</information>\n\n", "train": False},
+            {"text": f"<think> {thought} </think>\n<answer> {answer} </answer>\n<confidence> "
+                     f"{FOUND_CONFIDENCE if found else MISSING_CONFIDENCE} </confidence>", "train": True},
+        ]})
+    return demos
+
+
+def read_demos(path: str | Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "messages" not in row or not ("segments" in row or "response" in row):
+            raise ValueError(f"{path}:{n}: an SFT line needs 'messages' and 'segments' or 'response'")
+        rows.append(row)
+    return rows
+
+
+def tokenize_demos(demos: list[dict], tokenizer) -> list[Trajectory]:
+    """Trajectories (prompt ids, response ids, loss mask) from demonstration dicts."""
+    prompts = prompt_texts(tokenizer, [d["messages"] for d in demos])
+    out = []
+    for demo, prompt in zip(demos, prompts):
+        traj = Trajectory(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        segments = demo.get("segments") or [{"text": demo["response"], "train": True}]
+        for seg in segments:
+            ids = tokenizer(seg["text"], add_special_tokens=False)["input_ids"]
+            traj.add(ids, [0.0] * len(ids), sampled=bool(seg["train"]))
+        out.append(traj)
+    return out
+
+
+def run_sft(state, step_fn, trajs: list[Trajectory], *, steps: int, batch: int, pad_id: int, seed: int = 0,
+            log=None):
+    """`steps` SFT updates of `batch` trajectories each (cycling through a shuffle).
+    Returns (state, losses)."""
+    from car_jax.train import batch_arrays
+
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(trajs))
+    losses = []
+    for step in range(steps):
+        idx = [order[(step * batch + i) % len(trajs)] for i in range(batch)]
+        chosen = [trajs[i] for i in idx]
+        arrays = batch_arrays(chosen, np.zeros(batch, np.float32), pad_id, np.ones(batch, bool))
+        data = {k: jnp.asarray(arrays[k])[None] for k in ("tokens", "valid", "mask")}
+        state, metrics = step_fn(state, data)
+        losses.append(float(metrics["sft_loss"]))
+        if log is not None:
+            log(step + 1, losses[-1])
+    jax.block_until_ready(state.params)
+    return state, losses

@@ -1,18 +1,32 @@
-"""`car-jax run`: the main job on the embedded default model (SmolLM2-135M-Instruct, CPU).
+"""`car-jax run`: the main job, end to end, on the embedded default model
+(SmolLM2-135M-Instruct, CPU) and the built-in offline world:
 
-For now it converts the shipped GGUF to an HF folder (once, cached), loads it into the
-Flax decoder and answers one chat prompt with greedy decoding."""
+  1. convert the shipped GGUF to an HF folder (once, cached) and answer a chat prompt;
+  2. evaluate the base model on a slice of the world's dev split (search agent);
+  3. train CAR: an SFT warm start on world demonstrations (the 135M model does not know
+     the tag format), then GRPO with the MSCR reward;
+  4. evaluate the trained policy on the same slice and print both tables.
+
+The sizes are small so that it finishes in minutes on two CPU cores; `car-jax train` and
+`car-jax eval` with a config from configs/ run the real thing.
+"""
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 
 DEFAULT_PROMPT = "In one sentence: why should an AI agent say how confident it is in its answers?"
 
 
 def register(sub) -> None:
-    p = sub.add_parser("run", help="the main job on the embedded default model")
+    p = sub.add_parser("run", help="the main job on the embedded default model (train + evaluate CAR)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--out", default="runs/default", help="run folder")
+    p.add_argument("--eval-questions", type=int, default=8)
+    p.add_argument("--sft-steps", type=int, default=8)
+    p.add_argument("--rl-steps", type=int, default=2)
+    p.add_argument("--chat-only", action="store_true", help="stop after the chat answer")
     p.set_defaults(func=_run)
 
 
@@ -30,16 +44,55 @@ def default_model_dir():
     return out
 
 
+def _evaluate(folder, examples, out_dir: Path, label: str) -> dict:
+    import car_jax
+    from car_jax.data import world_retriever
+    from car_jax.eval import EVAL_EPISODE, evaluate
+
+    episode = dataclasses.replace(EVAL_EPISODE, max_turns=2, max_response_tokens=64, max_obs_tokens=256)
+    print(f"\n== evaluating {label} on {len(examples)} world dev questions (search agent) ==")
+    return evaluate(car_jax.load_model(folder, progress=False), car_jax.load_tokenizer(folder), examples,
+                    mode="search", tools={"search": world_retriever()}, episode_config=episode,
+                    out_dir=out_dir, resume=True, n_boot=200, info={"model": label})
+
+
 def _run(args) -> int:
     import car_jax
+    from car_jax.config import load_config
+    from car_jax.data import load_dataset
+    from car_jax.eval import format_table
     from car_jax.rollout.generate import generate
+    from car_jax.train import train
+    from car_jax.train_config import TrainConfig
 
     folder = default_model_dir()
     model = car_jax.load_model(folder)
     tokenizer = car_jax.load_tokenizer(folder)
     start = time.perf_counter()
-    [answer] = generate(model, tokenizer, [[{"role": "user", "content": args.prompt}]],
-                        max_new_tokens=args.max_new_tokens)
+    [answer] = generate(model, tokenizer, [[{"role": "user", "content": args.prompt}]], max_new_tokens=64)
     print(f"user: {args.prompt}\nassistant: {answer}")
     print(f"({time.perf_counter() - start:.1f} s, greedy, {model.config.n_layers} layers, CPU)")
+    if args.chat_only:
+        return 0
+    del model
+
+    out = Path(args.out)
+    dev = load_dataset("world", "dev", args.eval_questions)
+    before = _evaluate(folder, dev, out / "eval_base", "base SmolLM2-135M-Instruct")
+    print(format_table(before))
+
+    cfg = load_config(TrainConfig, None, [
+        f"run.dir={out / 'train'}", f"rl.steps={args.rl_steps}", "rl.prompts_per_step=2", "rollout.group_size=4",
+        "rollout.max_turns=2", "rollout.max_response_tokens=64", "rollout.max_obs_tokens=256",
+        "rl.optim.lr=2e-6", "rl.micro_batch=4", "data.limit=64", "sft.data=world",
+        f"sft.steps={args.sft_steps}", "sft.batch=4", "sft.lr=1e-4", "mesh.devices=1"])
+    print(f"\n== training CAR (SFT warm start {args.sft_steps} steps, GRPO + MSCR {args.rl_steps} steps) ==")
+    rows = train(cfg)
+    for r in rows:
+        print(f"step {r['step']}: reward {r['reward']:.3f} accuracy {r['accuracy']:.3f} ece {r['ece']:.3f} "
+              f"format_ok {r['format_ok']:.2f} tool calls {r['tool_calls']:.2f}")
+
+    after = _evaluate(out / "train" / "hf", dev, out / "eval_car", "car_jax CAR policy")
+    print(format_table(after))
+    print(f"\nrun folder: {out} (metrics.jsonl, TensorBoard, checkpoints, reliability.png in each eval folder)")
     return 0

@@ -26,8 +26,10 @@ class SearchR1:
     """`<search>` / `<answer>` tags; observations in `<information>` blocks."""
     stops: tuple = ("</search>", "</answer>")
     final_stops: tuple = ("</answer>",)  # the answer-only last turn
-    invalid_message: str = ("\nThat was not a valid action. Put a search query inside <search> </search>, "
-                            "or the final answer inside <answer> </answer>.\n")
+    # no literal tags in the message: it is spliced into the response, and tags there
+    # would be parsed as the model's own (an empty answer or query)
+    invalid_message: str = ("\nThat was not a valid action. Write a search query between the search tags, "
+                            "or the final answer between the answer tags.\n")
     _pattern = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
     def parse(self, text: str) -> Action:

@@ -52,11 +52,11 @@ class Attention(nn.Module):
         return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
 
     @nn.compact
-    def __call__(self, x, positions, mask, layer_cache, index):
-        """x [B, T, D]; positions int32[B, T]; mask bool[B, T, S'] (S' = S with a cache,
-        else T); layer_cache None or (k, v, layer): the whole stacked cache [L, B, S, K, H]
-        (written in place at [layer, :, index]) and this layer's index; index int32[]
-        write slot. Returns (y [B, T, D], updated layer_cache or None)."""
+    def __call__(self, x, positions, self_mask, cache_kv, cache_mask):
+        """x [B, T, D]; positions int32[B, T]; self_mask bool[B, T, T] (causal, valid keys
+        of this chunk); cache_kv None or this layer's cached (k, v) [B, S, K, H], read
+        only; cache_mask bool[B, T, S] (valid earlier slots).
+        Returns (y [B, T, D], (k, v) [B, T, K, H] of this chunk, for the caller to write)."""
         c = self.cfg
         n, k_heads, h, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
         q = jnp.einsum("BTD,DNH->BTNH", x, self._p("q", (d, n, h)))
@@ -74,26 +74,28 @@ class Attention(nn.Module):
         q = rope(q, positions, c.rope_theta)
         k = rope(k, positions, c.rope_theta)
 
-        new_cache = None
-        if layer_cache is not None:  # (k_all, v_all [L, B, S, K, H], this layer's index)
-            ck, cv, layer = layer_cache
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], (layer, 0, index, 0, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], (layer, 0, index, 0, 0))
-            new_cache = (ck, cv, layer)
-            k = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(self.dtype)
-            v = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(self.dtype)
-
         b, t = x.shape[:2]
-        q = q.reshape(b, t, k_heads, c.n_groups, h)  # [B, T, K, G, H]
+        q = q.reshape(b, t, k_heads, c.n_groups, h) * (h ** -0.5)  # [B, T, K, G, H]
+        neg = jnp.finfo(jnp.float32).min
+        # scores against this chunk's own keys, and (with a cache) against the cached
+        # ones; one softmax over both, so the cache is read in place and never copied
         scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (h ** -0.5)
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(b, t, n, h)
-        y = jnp.einsum("BTNH,NHD->BTD", out, self._p("o", (n, h, d)))
+        scores = jnp.where(self_mask[:, None, None], scores, neg)
+        if cache_kv is not None:
+            ck, cv = cache_kv
+            old = jnp.einsum("BTKGH,BSKH->BKGTS", q, ck.astype(self.dtype), preferred_element_type=jnp.float32)
+            old = jnp.where(cache_mask[:, None, None], old, neg)
+            probs = jax.nn.softmax(jnp.concatenate([old, scores], axis=-1), axis=-1).astype(self.dtype)
+            s_old = ck.shape[1]
+            out = (jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., :s_old], cv.astype(self.dtype))
+                   + jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., s_old:], v))
+        else:
+            probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+            out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+        y = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), self._p("o", (n, h, d)))
         if c.out_bias:
             y = y + self._p("o_bias", (d,), nn.initializers.zeros)
-        return y, new_cache
+        return y, (k, v)
 
 
 class Mlp(nn.Module):
@@ -124,19 +126,16 @@ class Block(nn.Module):
     param_dtype: Dtype
 
     @nn.compact
-    def __call__(self, carry, positions, mask, index):
-        x, layer_cache = carry
+    def __call__(self, x, positions, self_mask, cache_mask, cache_kv):
         c = self.cfg
         ones = nn.initializers.ones
         h = rms_norm(x, self.param("input_norm", ones, (c.d_model,), self.param_dtype), c.norm_eps, self.dtype)
-        attn, new_cache = Attention(c, self.dtype, self.param_dtype, name="attn")(
-            h, positions, mask, layer_cache, index)
+        attn, new_kv = Attention(c, self.dtype, self.param_dtype, name="attn")(
+            h, positions, self_mask, cache_kv, cache_mask)
         x = x + attn
         h = rms_norm(x, self.param("post_attn_norm", ones, (c.d_model,), self.param_dtype), c.norm_eps, self.dtype)
         x = x + Mlp(c, self.dtype, self.param_dtype, name="mlp")(h)
-        if new_cache is not None:
-            new_cache = (new_cache[0], new_cache[1], new_cache[2] + 1)
-        return (x, new_cache), None
+        return x, new_kv
 
 
 class Decoder(nn.Module):
@@ -153,7 +152,7 @@ class Decoder(nn.Module):
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
             length=c.n_layers,
             unroll=self.unroll,
         )(c, self.dtype, self.param_dtype, name="layers")
@@ -174,33 +173,31 @@ class Decoder(nn.Module):
         b, t = tokens.shape
         valid = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
         step = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1  # [B, T]
+        slot = jnp.arange(t)
+        # within the chunk: causal over valid keys; a query always sees itself (no empty rows)
+        self_mask = ((slot[None, :] <= slot[:, None])[None] & valid[:, None, :]) | jnp.eye(t, dtype=bool)[None]
         if cache is None:
             positions = jnp.maximum(step, 0)
-            keys_valid = valid  # [B, S'=T]
-            key_slot = jnp.arange(t)
-            query_slot = jnp.arange(t)
-            index = jnp.zeros((), jnp.int32)
-            layer_cache = None
+            cache_mask, cache_kv = None, None
         else:
             positions = cache.next_pos[:, None] + jnp.maximum(step, 0)
-            index = cache.index
-            keys_valid = jax.lax.dynamic_update_slice(cache.valid, valid, (0, index))  # [B, S]
-            key_slot = jnp.arange(cache.capacity)
-            query_slot = index + jnp.arange(t)
-            layer_cache = (cache.k, cache.v, jnp.zeros((), jnp.int32))
-        causal = key_slot[None, :] <= query_slot[:, None]  # [T, S']
-        mask = (causal[None] & keys_valid[:, None, :]) | (key_slot[None, :] == query_slot[:, None])[None]
+            # every filled slot lies before the chunk; unfilled ones are not valid
+            cache_mask = jnp.broadcast_to(cache.valid[:, None, :], (b, t, cache.capacity))
+            cache_kv = (cache.k, cache.v)
 
         x = self.embed.astype(self.dtype)[tokens]  # [B, T, D]
-        (x, new_kv), _ = self.layers((x, layer_cache), positions, mask, index)
+        x, (new_k, new_v) = self.layers(x, positions, self_mask, cache_mask, cache_kv)  # new_k [L, B, T, K, H]
         x = rms_norm(x, self.final_norm, self.cfg.norm_eps, self.dtype)
 
         new_cache = None
-        if cache is not None:
+        if cache is not None:  # one in-place write of the chunk for all layers
+            at = (0, 0, cache.index, 0, 0)
             new_cache = KVCache(
-                k=new_kv[0], v=new_kv[1], valid=keys_valid,
+                k=jax.lax.dynamic_update_slice(cache.k, new_k.astype(cache.k.dtype), at),
+                v=jax.lax.dynamic_update_slice(cache.v, new_v.astype(cache.v.dtype), at),
+                valid=jax.lax.dynamic_update_slice(cache.valid, valid, (0, cache.index)),
                 next_pos=cache.next_pos + valid.sum(axis=1).astype(jnp.int32),
-                index=index + t)
+                index=cache.index + t)
         if return_hidden:
             return x, new_cache
         return self.unembed(x), new_cache

@@ -31,7 +31,7 @@ def main() -> None:
     import transformers
 
     import car_jax
-    from car_jax.rollout.generate import generate_ids
+    from car_jax.rollout.generate import eos_ids, generate_ids
     from car_jax.run_default import default_model_dir
 
     folder = default_model_dir()
@@ -47,7 +47,6 @@ def main() -> None:
     first, _ = timed(run)
     ours, out = timed(run, repeats=2)
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     batch = tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)
 
@@ -55,9 +54,15 @@ def main() -> None:
         with torch.no_grad():
             return hf.generate(**batch, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
                                pad_token_id=tok.pad_token_id)
-    theirs, ref = timed(hf_run, repeats=1)
+    theirs, ref = timed(hf_run, repeats=2)
     ref = ref[:, batch["input_ids"].shape[1]:].numpy()
-    agree = float((ref == out.tokens).mean())
+    # transformers' min_new_tokens bans EOS, so compare each row up to our first EOS
+    eos = set(np.asarray(eos_ids(model, tok)).tolist())
+    same = []
+    for b in range(args.batch):
+        n = next((i for i, t in enumerate(out.tokens[b]) if t in eos), args.new)
+        same.append(bool((ref[b, :n] == out.tokens[b, :n]).all()))
+    agree = float(np.mean(same))
 
     print(header(f"Greedy generation, SmolLM2-135M fp32, batch {args.batch} x {args.new} new tokens",
                  f"python benchmarks/bench_generate.py --batch {args.batch} --new {args.new}"))
@@ -67,8 +72,8 @@ def main() -> None:
           f"{n_tokens / theirs:.0f} |")
     print(f"| car_jax (jitted prefill + `while_loop` decode), steady state | {ours:.2f} | {n_tokens / ours:.0f} |")
     print(f"| car_jax first call (includes XLA compile) | {first:.2f} | {n_tokens / first:.0f} |")
-    print(f"\nspeed-up (steady state): **{theirs / ours:.2f}x**; generated tokens identical to transformers: "
-          f"{agree:.1%}")
+    print(f"\nspeed-up (steady state): **{theirs / ours:.2f}x**; rows whose tokens equal transformers' up to "
+          f"the first EOS: {agree:.0%}")
 
 
 if __name__ == "__main__":

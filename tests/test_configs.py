@@ -1,0 +1,190 @@
+"""configs/ and tpu_scripts/: every YAML loads into TrainConfig (a stale key fails here), the
+paper configs hold Search-R1's recipe, the batch sizes divide as the training loop demands,
+tiny_test.yaml trains end to end, and the shell scripts parse and pass their arguments through."""
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from car_jax.config import load_config
+from car_jax.train_config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+SCRIPTS = sorted((ROOT / "tpu_scripts").glob("*.sh"))
+PAPER = ["qwen2.5-3b_car_mscr", "qwen2.5-7b_car_mscr", "qwen3-4b_car_mscr", "qwen2.5-3b_brier",
+         "qwen2.5-3b_binary", "qwen2.5-32b_car_mscr_v5p128"]
+
+
+def load(name: str) -> TrainConfig:
+    return load_config(TrainConfig, ROOT / "configs" / f"{name}.yaml")
+
+
+def test_the_named_configs_exist():
+    names = {p.stem for p in CONFIGS}
+    assert {"smollm2_world_cpu", "tiny_test", *PAPER} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_loads_and_its_batches_divide(path):
+    cfg = load_config(TrainConfig, path)
+    rl = cfg.rl
+    # what Trainer.update checks at run time, checked here before anyone books a TPU
+    n = rl.prompts_per_step * cfg.rollout.group_size
+    mini = rl.mini_batch or n
+    micro = rl.micro_batch or mini
+    assert n % mini == 0 and mini % micro == 0, (n, mini, micro)
+    if cfg.mesh.fsdp > 0:
+        assert micro % cfg.mesh.fsdp == 0
+    assert rl.optim.total_steps == rl.steps  # the lr schedule spans the run
+    assert 0 <= rl.optim.warmup_steps < rl.steps
+    assert cfg.rollout.group_size >= 2  # GRPO needs a group to compare within
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_configs_follow_search_r1(name):
+    cfg = load(name)
+    r, rl = cfg.rollout, cfg.rl
+    assert (r.group_size, r.max_turns, r.max_response_tokens, r.max_obs_tokens) == (5, 4, 500, 500)
+    assert (r.temperature, r.top_p, r.protocol) == (1.0, 0.95, "car_search")
+    assert rl.optim.lr == 1e-6 and rl.optim.grad_clip == 1.0 and rl.epochs == 1
+    assert rl.prompts_per_step == 512 and rl.mini_batch == 256 * r.group_size
+    assert rl.optim.warmup_steps == round(0.285 * rl.steps)  # Search-R1's warmup ratio
+    assert (rl.loss.kl_type, rl.loss.kl_coef) == ("low_var_kl", 0.001)
+    assert (rl.loss.clip_low, rl.loss.clip_high) == (0.2, 0.2)
+    assert (cfg.tools.retriever, cfg.tools.topk) == ("http://127.0.0.1:8000/retrieve", 3)
+    assert (cfg.model.dtype, cfg.model.param_dtype, cfg.model.remat) == ("bfloat16", "float32", True)
+    assert cfg.data.template == "search"
+    assert cfg.run.dir.endswith(name)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-3b_car_mscr", "qwen2.5-7b_car_mscr", "qwen3-4b_car_mscr",
+                                  "qwen2.5-32b_car_mscr_v5p128"])
+def test_car_configs_use_mscr(name):
+    reward = load(name).reward
+    assert (reward.kind, reward.b1, reward.b2, reward.format_penalty) == ("mscr", 1.0, 1.0, 0.5)
+
+
+@pytest.mark.parametrize("name,kind", [("qwen2.5-3b_brier", "brier"), ("qwen2.5-3b_binary", "binary")])
+def test_ablations_differ_from_car_only_in_the_reward(name, kind):
+    base, variant = load("qwen2.5-3b_car_mscr"), load(name)
+    assert variant.reward.kind == kind
+    assert variant == dataclasses.replace(base, reward=variant.reward,
+                                          run=dataclasses.replace(base.run, dir=variant.run.dir))
+
+
+def test_sharded_config_fits_qwen2_5_32b():
+    cfg = load("qwen2.5-32b_car_mscr_v5p128")
+    fsdp, tp = cfg.mesh.fsdp, cfg.mesh.tp
+    assert fsdp * tp == 64  # the chips of a v5p-128 slice
+    assert cfg.model.remat
+    # Qwen2.5-32B's config.json: the sharding table splits heads, kv heads, mlp and vocab
+    # over tp and the model width over fsdp; each must divide
+    heads, kv_heads, mlp, vocab, width = 40, 8, 27648, 152064, 5120
+    assert all(d % tp == 0 for d in (heads, kv_heads, mlp, vocab)) and width % fsdp == 0
+
+
+def test_cpu_config_is_small():
+    cfg = load("smollm2_world_cpu")
+    assert cfg.model.path == "" and cfg.mesh.devices == 1  # embedded model, one CPU device
+    assert (cfg.data.train, cfg.tools.retriever) == ("world", "world")
+    assert cfg.rl.prompts_per_step * cfg.rollout.group_size <= 16
+    assert cfg.sft.data == "world" and cfg.sft.steps > 0  # the 135M model needs the format first
+
+
+def test_tiny_config_trains(tmp_path):
+    from car_jax.assets import smollm2_gguf
+    from car_jax.models.api import load_tokenizer
+    from car_jax.train import train
+    from car_jax.train_log import read_metrics
+    from tests.hf_factory import build
+
+    folder = tmp_path / "tiny"
+    build("llama", folder, vocab_size=49152, hidden_size=32)
+    load_tokenizer(smollm2_gguf()).save_pretrained(str(folder))
+    run = tmp_path / "run"
+    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_test.yaml", [f"model.path={folder}", f"run.dir={run}"])
+    rows = train(cfg)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    assert (run / "hf" / "config.json").is_file() and (run / "sft").is_dir()
+
+
+# ---------------------------------------------------------------- tpu_scripts
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_script_parses_and_is_strict(path):
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    text = path.read_text()
+    if path.name != "config.sh":  # sourced, not run
+        assert text.startswith("#!/usr/bin/env bash\n") and os.access(path, os.X_OK)
+        assert "set -euo pipefail" in text and 'config.sh"' in text
+        assert f"tpu_scripts/{path.name}" in text.split("set -euo")[0]  # usage in the header
+
+
+def test_config_sh_defines_the_settings():
+    names = ("PROJECT", "ZONE", "TPU_NAME", "ACCELERATOR_TYPE", "RUNTIME_VERSION")
+    script = f'source {shlex.quote(str(ROOT / "tpu_scripts" / "config.sh"))}; ' + \
+        "; ".join(f'echo "${n}"' for n in names)
+    env = {k: v for k, v in os.environ.items() if k not in names} | {"ZONE": "europe-west4-b"}
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True)
+    values = out.stdout.split("\n")[:len(names)]
+    assert all(values) and values[1] == "europe-west4-b"  # set, and the environment overrides
+
+
+FAKE_GCLOUD = """#!/usr/bin/env bash
+# records each call; `describe` answers an IP, `ssh` runs --command= in a fake worker home
+echo "$*" >> "$FAKE_LOG"
+for a in "$@"; do case "$a" in --command=*) cmd="${a#--command=}";; esac; done
+case "$*" in
+  *describe*) echo 10.0.0.2;;
+  *ssh*) cd "$FAKE_HOME" && HOME="$FAKE_HOME" bash -c "$cmd";;
+esac
+"""
+FAKE_PYTHON = """#!/usr/bin/env python3
+import json, os, sys
+json.dump(sys.argv[1:], open(os.path.join(os.environ["HOME"], "argv.json"), "w"))
+"""
+
+
+def test_launch_passes_config_and_overrides_to_every_worker(tmp_path):
+    """launch.sh with a stub gcloud: the worker runs the distributed-init wrapper with
+    `train --config CONFIG`, the retriever pointed at worker 0's IP, then the caller's
+    overrides verbatim (spaces and quotes survive the two shells)."""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    venv = home / "car_jax" / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    bin_dir.mkdir()
+    for path, text in ((bin_dir / "gcloud", FAKE_GCLOUD), (venv / "python", FAKE_PYTHON)):
+        path.write_text(text)
+        path.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_HOME": str(home),
+           "FAKE_LOG": str(tmp_path / "calls"), "TPU_NAME": "t1"}
+    override = "run.dir=/mnt/runs/a b's"
+    subprocess.run(["bash", str(ROOT / "tpu_scripts" / "launch.sh"), "configs/qwen2.5-3b_car_mscr.yaml",
+                    override], env=env, check=True, capture_output=True, text=True, timeout=60)
+    argv_file = home / "argv.json"
+    for _ in range(100):  # the worker command runs in the background
+        if argv_file.is_file() and argv_file.stat().st_size:
+            break
+        subprocess.run(["sleep", "0.1"])
+    argv = json.loads(argv_file.read_text())
+    assert argv[0] == "-c" and "jax.distributed.initialize()" in argv[1]
+    assert argv[2:] == ["train", "--config", "configs/qwen2.5-3b_car_mscr.yaml",
+                        "tools.retriever=http://10.0.0.2:8000/retrieve", override]
+    calls = (tmp_path / "calls").read_text()
+    assert "--worker=all" in calls and "t1" in calls
+
+
+def test_launch_without_a_config_prints_usage():
+    out = subprocess.run(["bash", str(ROOT / "tpu_scripts" / "launch.sh")], capture_output=True, text=True)
+    assert out.returncode == 2 and "launch.sh CONFIG" in out.stderr
+
+
+def test_wrapper_is_valid_python():
+    text = (ROOT / "tpu_scripts" / "launch.sh").read_text()
+    code = text.split("WRAPPER='")[1].split("'\n")[0]
+    compile(code, "wrapper", "exec")

@@ -85,7 +85,8 @@ def _run(args) -> int:
         f"run.dir={out / 'train'}", f"rl.steps={args.rl_steps}", "rl.prompts_per_step=2", "rollout.group_size=4",
         "rollout.max_turns=2", "rollout.max_response_tokens=64", "rollout.max_obs_tokens=256",
         "rl.optim.lr=2e-6", "rl.micro_batch=4", "data.limit=64", "sft.data=world",
-        f"sft.steps={args.sft_steps}", "sft.batch=4", "sft.lr=1e-4", "mesh.devices=1"])
+        f"sft.steps={args.sft_steps}", "sft.batch=4", "sft.lr=1e-4", "mesh.devices=1",
+        "model.remat=true"])  # recompute layers in the backward pass: a few GB instead of ~15
     print(f"\n== training CAR (SFT warm start {args.sft_steps} steps, GRPO + MSCR {args.rl_steps} steps) ==")
     rows = train(cfg)
     for r in rows:

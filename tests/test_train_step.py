@@ -116,3 +116,14 @@ def test_sft_step_lowers_the_loss(tiny):
 
 def test_batch_keys_cover_the_loss(tiny):
     assert set(make_batch()) == set(BATCH_KEYS)
+
+
+def test_remat_gives_the_same_gradients(tiny):
+    module, params = tiny
+    cfg = grpo.LossConfig(kl_coef=0.0)
+    batch = split(make_batch(n=4), 1)
+    fn = jax.jit(grads_and_metrics, static_argnums=(0, 1))
+    g_plain, _, loss_plain = fn(module, cfg, params, batch)
+    g_remat, _, loss_remat = fn(module.clone(remat=True), cfg, params, batch)
+    diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), g_plain, g_remat)
+    assert max(jax.tree.leaves(diff)) <= 1e-6 and float(loss_plain) == pytest.approx(float(loss_remat), abs=1e-7)

@@ -4,6 +4,7 @@ a module listed here exposes `register(subparsers)` which adds its parsers and s
 from __future__ import annotations
 
 import argparse
+import os
 import importlib
 import sys
 
@@ -15,6 +16,16 @@ COMMAND_MODULES = (
     "car_jax.train_commands",  # train
     "car_jax.eval_commands",  # eval
 )
+
+
+def maybe_init_distributed() -> None:
+    """Multi-host runs (a TPU pod slice, several GPU hosts) must connect their processes
+    before any device is used: done when JAX_COORDINATOR_ADDRESS is set (explicit
+    cluster) or CAR_JAX_DISTRIBUTED=1 (let JAX detect a TPU slice)."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("CAR_JAX_DISTRIBUTED") == "1":
+        import jax
+        if not jax.distributed.is_initialized():
+            jax.distributed.initialize()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    maybe_init_distributed()
     return int(args.func(args) or 0)
 
 

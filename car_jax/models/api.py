@@ -59,7 +59,14 @@ class Model:
         return _forward(self.module, self.params, tokens, valid, cache)
 
     def init_cache(self, batch_size: int, capacity: int) -> KVCache:
-        return init_cache(self.config, batch_size, capacity, self.module.dtype)
+        """An empty cache; on a mesh, rows are split over fsdp and kv heads over tp
+        (the sampling table), so no device holds the whole cache."""
+        cache = init_cache(self.config, batch_size, capacity, self.module.dtype)
+        if self.mesh is None:
+            return cache
+        put = lambda x, name: jax.device_put(x, shd.data_sharding(name, x.shape, self.mesh, "sample"))  # noqa: E731
+        return KVCache(k=put(cache.k, "cache_kv"), v=put(cache.v, "cache_kv"), valid=put(cache.valid, "cache_rows"),
+                       next_pos=put(cache.next_pos, "rows"), index=cache.index)
 
 
 def _is_gguf(path: Path) -> bool:

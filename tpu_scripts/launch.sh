@@ -6,9 +6,9 @@
 # CONFIG is a path inside the checkout on the workers (setup.sh copied configs/ there).
 # When the config's retriever is a server on 127.0.0.1 / localhost (tpu_scripts/retriever.sh on
 # worker 0), the URL is rewritten to worker 0's internal IP, which every worker can reach.
-# Multi-host: the car-jax CLI initialises jax.distributed itself (CAR_JAX_DISTRIBUTED=1); this wrapper
-# also does it first, which is harmless (see tpu_scripts/README.md),
-# so the process is started through a one-line Python wrapper that calls it first.
+# Multi-host: the process starts through a one-line Python wrapper that initialises
+# jax.distributed before running the CLI (the CLI would also do it with CAR_JAX_DISTRIBUTED=1;
+# see tpu_scripts/README.md).
 # Follow worker 0:  gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=0 \
 #                     --command 'tail -f ~/car_jax_train.log'
 # Settings: tpu_scripts/config.sh (PROJECT, ZONE, TPU_NAME, ..., REMOTE_DIR, RETRIEVER_PORT).

@@ -101,13 +101,46 @@ def _read_only_everything():
     return refused
 
 
-def _private_scratch(cfg):
-    """Fresh tmpfs on /tmp, /var/tmp, /dev/shm; returns the working dir /tmp/work."""
-    python_dirs = [os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, *sys.path] if os.path.isabs(p)]
-    for scratch in ("/tmp", "/var/tmp", "/dev/shm"):
-        if not os.path.isdir(scratch) or any(p.startswith(scratch + "/") for p in python_dirs):
-            continue  # never hide the interpreter
+SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def _python_dirs():
+    return [os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, *sys.path] if os.path.isabs(p)]
+
+
+def _stash_python_in_scratch(stash_dir):
+    """Before the read-only remount: bind-mount aside every child of a scratch dir that
+    leads to the interpreter (a checkout under /tmp), so the scratch dir can still get a
+    private tmpfs with those children mounted back. Returns [(scratch, name, stash)]."""
+    stashes = []
+    for scratch in SCRATCH:
+        names = {p[len(scratch) + 1:].split("/")[0] for p in _python_dirs() if p.startswith(scratch + "/")}
+        for name in sorted(names):
+            if os.path.realpath(stash_dir).startswith(os.path.join(scratch, name)):
+                raise OSError(f"the sandbox stash {stash_dir} lies inside {scratch}/{name}")
+            stash = os.path.join(stash_dir, f".scratch{len(stashes)}")
+            os.mkdir(stash)
+            _mount(os.path.join(scratch, name), stash, None, MS_BIND | MS_REC)
+            # the stash may itself sit under a scratch dir about to be covered: keep a
+            # handle, and move the mount through /proc/self/fd later
+            stashes.append((scratch, name, os.open(stash, os.O_PATH | os.O_DIRECTORY)))
+    return stashes
+
+
+def _private_scratch(cfg, stashes):
+    """Fresh tmpfs on /tmp, /var/tmp, /dev/shm (interpreter dirs under them mounted back
+    read-only from `stashes`); returns the working dir /tmp/work."""
+    for scratch in SCRATCH:
+        if not os.path.isdir(scratch):
+            continue
         _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={cfg['disk_mb']}m")
+        for where, name, handle in stashes:
+            if where == scratch:
+                target = os.path.join(scratch, name)
+                os.mkdir(target)
+                _mount(f"/proc/self/fd/{handle}", target, None, MS_MOVE)
+                os.close(handle)
+                _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     work = "/tmp/work"
     os.mkdir(work, 0o700)
     if cfg["uid"] is not None:
@@ -176,8 +209,9 @@ def main():
         if cfg["mounts"]:
             if cfg["uid"] is not None:
                 _expose_python(cfg["stash_dir"])
+            stashes = _stash_python_in_scratch(cfg["stash_dir"])
             refused = _read_only_everything()
-            work = _private_scratch(cfg)
+            work = _private_scratch(cfg, stashes)
         else:
             work = os.getcwd()
         os.chdir(work)

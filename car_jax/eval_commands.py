@@ -67,18 +67,16 @@ def _tools(args) -> tuple[dict, str, list]:
         return {"code": tool}, "python sandbox", [tool]
     if args.retriever_url and args.index:
         raise SystemExit("give --index or --retriever-url, not both")
+    from car_jax.tools.index import open_retriever
+
+    retriever = open_retriever(args.retriever_url or args.index or "world")
     if args.retriever_url:
-        from car_jax.tools import HttpRetriever
-
-        retriever, what = HttpRetriever(args.retriever_url), f"server {args.retriever_url}"
+        what = f"server {args.retriever_url}"
     elif args.index:
-        from car_jax.tools import load_retriever
-
-        retriever, what = load_retriever(args.index), f"index {args.index}"
+        what = f"index {args.index}"
     else:
-        from car_jax.data import world_index, world_retriever
-
-        retriever, what = world_retriever(), f"world BM25 index {world_index()}"
+        from car_jax.data import world_index
+        what = f"world BM25 index {world_index()}"
     return {"search": functools.partial(retriever.observe, topk=args.topk)}, what, [retriever]
 
 

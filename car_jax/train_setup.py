@@ -39,17 +39,8 @@ def build_tools(cfg: TrainConfig) -> dict:
     if cfg.rollout.protocol == "tir":
         from car_jax.tools.python_tool import PythonTool
         return {"code": PythonTool()}
-    where = cfg.tools.retriever
-    if where == "world":
-        from car_jax.data import world_retriever
-        retriever = world_retriever()
-    elif where.startswith(("http://", "https://")):
-        from car_jax.tools.http_client import HttpRetriever
-        retriever = HttpRetriever(where)
-    else:
-        from car_jax.tools.index import load_retriever
-        retriever = load_retriever(where)
-    return {"search": functools.partial(retriever, topk=cfg.tools.topk)}
+    from car_jax.tools.index import open_retriever
+    return {"search": functools.partial(open_retriever(cfg.tools.retriever), topk=cfg.tools.topk)}
 
 
 PROTOCOLS = {"car_search": car_search, "search_r1": SearchR1, "tir": TIR}

@@ -142,3 +142,15 @@ def load_retriever(
             )
         encoder = TextEncoder(spec)
     return DenseRetriever(encoder, load_index(folder, params), store)
+
+
+def open_retriever(spec: str):
+    """A retriever from a short spec: "world" (the offline world's BM25 index, built once
+    into the cache), an http(s) URL of a Search-R1 style server, or an index folder."""
+    if spec == "world":
+        from car_jax.data import world_retriever
+        return world_retriever()
+    if spec.startswith(("http://", "https://")):
+        from car_jax.tools.http_client import HttpRetriever
+        return HttpRetriever(spec)
+    return load_retriever(spec)

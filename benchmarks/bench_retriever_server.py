@@ -83,7 +83,7 @@ def main() -> None:
                 stats = load(server.url, queries, args.clients, args.requests)
                 server.close()
                 rows.append({"backend": backend, "coalescing": "yes" if coalesce else "no", **stats})
-    print(f"| backend | coalescing | requests | errors | p50 ms | p99 ms | mean ms | req/s |")
+    print("| backend | coalescing | requests | errors | p50 ms | p99 ms | mean ms | req/s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['backend']} | {r['coalescing']} | {r['requests']} | {r['errors']} | {r['p50_ms']:.1f} "

@@ -1,6 +1,7 @@
 """Tiny random Hugging Face checkpoints built locally (nothing is downloaded)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 import transformers
 
@@ -35,6 +36,6 @@ def build(name: str, folder, seed: int = 0, **overrides):
     return model
 
 
-def hf_logits(model, tokens) -> "np.ndarray":
+def hf_logits(model, tokens) -> np.ndarray:
     with torch.no_grad():
         return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()

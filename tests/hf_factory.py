@@ -39,3 +39,24 @@ def build(name: str, folder, seed: int = 0, **overrides):
 def hf_logits(model, tokens) -> np.ndarray:
     with torch.no_grad():
         return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+class StubTokenizer:
+    """The minimum `generate_ids` needs from a tokenizer, for a tiny vocabulary whose
+    token i reads "<i>" (no token contains another's text, so stop tables stay trivial)."""
+    pad_token_id = 0
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def get_vocab(self):
+        return {f"<{i}>": i for i in range(self.vocab_size)}
+
+    def __len__(self):
+        return self.vocab_size
+
+    def get_added_vocab(self):
+        return {}
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)

@@ -9,7 +9,7 @@ from car_jax.assets import qwen_tokenizer, smollm2_gguf
 from car_jax.rollout.generate import generate, generate_ids
 from car_jax.rollout.sampling import Sampler, truncate
 from car_jax.rollout.stops import STOP, matches, stop_tables, token_texts
-from tests.hf_factory import build
+from tests.hf_factory import StubTokenizer, build
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",
            "Write one short sentence about the ocean and the moon at night, please.", "Hi"]
@@ -94,20 +94,8 @@ def tiny(tmp_path_factory):
     return car_jax.load_model(folder)
 
 
-class _Tok:  # the minimum generate_ids needs from a tokenizer, for a 16-token vocabulary
-    pad_token_id = 0
-
-    def get_vocab(self):
-        return {f"t{i}": i for i in range(16)}
-
-    def __len__(self):
-        return 16
-
-    def get_added_vocab(self):
-        return {}
-
-    def decode(self, ids):
-        return "".join(f"t{i}" for i in ids)
+def _Tok():  # a tokenizer stub for the 16-token tiny model
+    return StubTokenizer(16)
 
 
 def test_sampling_frequencies_match_softmax(tiny):

@@ -12,25 +12,10 @@ from car_jax.rollout.generate import generate_ids
 from car_jax.rollout.sampling import Sampler
 from car_jax.train import batch_arrays
 from car_jax.train_step import OptimConfig, init_state, make_optimizer, make_train_step
+from tests.hf_factory import StubTokenizer
 
 VOCAB = 6
 TARGET = [4, 2]  # a random policy says it with probability 1/36
-
-
-class Tok:
-    pad_token_id = 0
-
-    def get_vocab(self):
-        return {f"<{i}>": i for i in range(VOCAB)}
-
-    def __len__(self):
-        return VOCAB
-
-    def get_added_vocab(self):
-        return {}
-
-    def decode(self, ids):
-        return "".join(f"<{i}>" for i in ids)
 
 
 def test_grpo_lifts_reward_on_a_toy_task():
@@ -47,7 +32,7 @@ def test_grpo_lifts_reward_on_a_toy_task():
     for step in range(40):
         policy = Model(cfg, state.params, module)
         ids = [p for p in prompts for _ in range(group)]
-        out = generate_ids(policy, Tok(), ids, max_new_tokens=2, sampler=Sampler(1.0), seed=step,
+        out = generate_ids(policy, StubTokenizer(VOCAB), ids, max_new_tokens=2, sampler=Sampler(1.0), seed=step,
                            eos=np.array([], np.int32))
         rewards = np.array([float(list(out.tokens[i, :2]) == TARGET) for i in range(len(ids))])
         curve.append(rewards.mean())

@@ -45,7 +45,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 # activations and caches, by name -> logical axes
 DATA_AXES: dict[str, tuple[str, ...]] = {
     "tokens": ("batch", "time"),  # int32[B, T]
-    "cache_kv": ("layers", "batch", "cache", "kv_heads", "head_dim"),  # [L, B, S, K, H]
+    "cache_kv": ("batch", "kv_heads", "cache", "head_dim"),  # one layer's [B, K, S, H]
     "cache_rows": ("batch", "cache"),  # bool[B, S]
     "rows": ("batch",),  # [B]
 }

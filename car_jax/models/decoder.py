@@ -4,6 +4,9 @@ One module computes what the Hugging Face model computes: GQA attention with RoP
 RMSNorm (pre-norm), SwiGLU MLP, optional q/k/v (and o, mlp) biases, optional Qwen3
 q/k RMSNorm over the head dim, tied or untied embeddings. Layers are stacked with
 `nn.scan` (params carry a leading L axis) so compile time does not grow with depth.
+With a KV cache (prefill and decode) the same blocks run as a Python loop over layers
+instead, each on its own weights and cache arrays: on CPU, a scan copies every layer's
+weights and cache slice out of the stacks on each step.
 
 `dtype` is the compute dtype, `param_dtype` the storage dtype of the weights; norms,
 softmax and RoPE run in float32, logits are returned in float32.
@@ -16,6 +19,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from car_jax.models.cache import KVCache
 from car_jax.models.config import ModelConfig
@@ -29,6 +33,17 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Dtype) -> jax.Ar
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return scale.astype(dtype) * y.astype(dtype)
+
+
+def dense(x: jax.Array, w: jax.Array, n_in: int, dtype: Dtype) -> jax.Array:
+    """x [..., *In] times w [*In, *Out] (the first n_in axes of w are contracted) as one
+    2D matmul [N, prod(In)] x [prod(In), prod(Out)] in `dtype` with float32 accumulation.
+    Both reshapes are free, and XLA then never has to transpose a weight to fit its dot
+    (it does for some multi-axis einsums on CPU, every call)."""
+    n_out = w.ndim - n_in
+    w2 = w.astype(dtype).reshape(-1, int(np.prod(w.shape[n_in:])))
+    y = jnp.dot(x.reshape(-1, w2.shape[0]), w2, preferred_element_type=jnp.float32).astype(dtype)
+    return y.reshape(*x.shape[:x.ndim - n_in], *w.shape[w.ndim - n_out:])
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -51,17 +66,22 @@ class Attention(nn.Module):
     def _p(self, name, shape, init=_init):
         return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
 
+    def _w(self, name, shape):  # a weight, kept in its storage dtype until `dense` casts it
+        return self.param(name, _init, shape, self.param_dtype)
+
     @nn.compact
-    def __call__(self, x, positions, self_mask, cache_kv, cache_mask):
-        """x [B, T, D]; positions int32[B, T]; self_mask bool[B, T, T] (causal, valid keys
-        of this chunk); cache_kv None or this layer's cached (k, v) [B, S, K, H], read
-        only; cache_mask bool[B, T, S] (valid earlier slots).
-        Returns (y [B, T, D], (k, v) [B, T, K, H] of this chunk, for the caller to write)."""
+    def __call__(self, x, positions, mask, cache_kv, index):
+        """x [B, T, D]; positions int32[B, T]; mask bool[B, T, S'] (which keys each query
+        sees). Without a cache (cache_kv None) the keys are this chunk's own (S' = T).
+        With one, cache_kv is this layer's (k, v) [B, K, S, H]: the chunk's keys and
+        values are first written at slots [index, index + T), then every query attends
+        over all S slots (S' = S), reading the cache in place.
+        Returns (y [B, T, D], the updated (k, v) or None)."""
         c = self.cfg
         n, k_heads, h, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
-        q = jnp.einsum("BTD,DNH->BTNH", x, self._p("q", (d, n, h)))
-        k = jnp.einsum("BTD,DKH->BTKH", x, self._p("k", (d, k_heads, h)))
-        v = jnp.einsum("BTD,DKH->BTKH", x, self._p("v", (d, k_heads, h)))
+        q = dense(x, self._w("q", (d, n, h)), 1, self.dtype)  # [B, T, N, H]
+        k = dense(x, self._w("k", (d, k_heads, h)), 1, self.dtype)  # [B, T, K, H]
+        v = dense(x, self._w("v", (d, k_heads, h)), 1, self.dtype)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + self._p("q_bias", (n, h), zeros)
@@ -75,27 +95,31 @@ class Attention(nn.Module):
         k = rope(k, positions, c.rope_theta)
 
         b, t = x.shape[:2]
+
+        def project(out):  # [B, T, K, G, H] -> [B, T, D]
+            y = dense(out.reshape(b, t, n, h), self._w("o", (n, h, d)), 2, self.dtype)
+            return y + self._p("o_bias", (d,), nn.initializers.zeros) if c.out_bias else y
+
         q = q.reshape(b, t, k_heads, c.n_groups, h) * (h ** -0.5)  # [B, T, K, G, H]
         neg = jnp.finfo(jnp.float32).min
-        # scores against this chunk's own keys, and (with a cache) against the cached
-        # ones; one softmax over both, so the cache is read in place and never copied
-        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-        scores = jnp.where(self_mask[:, None, None], scores, neg)
-        if cache_kv is not None:
-            ck, cv = cache_kv
-            old = jnp.einsum("BTKGH,BSKH->BKGTS", q, ck.astype(self.dtype), preferred_element_type=jnp.float32)
-            old = jnp.where(cache_mask[:, None, None], old, neg)
-            probs = jax.nn.softmax(jnp.concatenate([old, scores], axis=-1), axis=-1).astype(self.dtype)
-            s_old = ck.shape[1]
-            out = (jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., :s_old], cv.astype(self.dtype))
-                   + jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., s_old:], v))
-        else:
-            probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-            out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-        y = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), self._p("o", (n, h, d)))
-        if c.out_bias:
-            y = y + self._p("o_bias", (d,), nn.initializers.zeros)
-        return y, (k, v)
+        if cache_kv is None:
+            scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+            probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, neg), axis=-1).astype(self.dtype)
+            return project(jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)), None
+        # write first, then read the whole cache: the buffers are updated in place
+        at = (0, 0, index, 0)
+        keys = jax.lax.dynamic_update_slice(cache_kv[0], k.swapaxes(1, 2).astype(cache_kv[0].dtype), at)
+        values = jax.lax.dynamic_update_slice(cache_kv[1], v.swapaxes(1, 2).astype(cache_kv[1].dtype), at)
+        # queries as [B, K, T*G, H], so both products are plain batched matmuls over the
+        # cache's [S, H] (for a decode step, T = 1, the transposes are free)
+        g, s = c.n_groups, keys.shape[2]
+        qm = q.transpose(0, 2, 1, 3, 4).reshape(b, k_heads, t * g, h)
+        scores = jnp.einsum("BKMH,BKSH->BKMS", qm, keys.astype(self.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, k_heads, t, g, s), neg)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype).reshape(b, k_heads, t * g, s)
+        out = jnp.einsum("BKMS,BKSH->BKMH", probs, values.astype(self.dtype))
+        return project(out.reshape(b, k_heads, t, g, h).transpose(0, 2, 1, 3, 4)), (keys, values)
+
 
 
 class Mlp(nn.Module):
@@ -107,13 +131,14 @@ class Mlp(nn.Module):
     def __call__(self, x):  # x [B, T, D] -> [B, T, D]
         c = self.cfg
         p = lambda name, shape, init=_init: self.param(name, init, shape, self.param_dtype).astype(self.dtype)
-        gate = jnp.einsum("BTD,DF->BTF", x, p("gate", (c.d_model, c.mlp_dim)))
-        up = jnp.einsum("BTD,DF->BTF", x, p("up", (c.d_model, c.mlp_dim)))
+        w = lambda name, shape: self.param(name, _init, shape, self.param_dtype)  # noqa: E731
+        gate = dense(x, w("gate", (c.d_model, c.mlp_dim)), 1, self.dtype)  # [B, T, F]
+        up = dense(x, w("up", (c.d_model, c.mlp_dim)), 1, self.dtype)
         if c.mlp_bias:
             zeros = nn.initializers.zeros
             gate = gate + p("gate_bias", (c.mlp_dim,), zeros)
             up = up + p("up_bias", (c.mlp_dim,), zeros)
-        y = jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, p("down", (c.mlp_dim, c.d_model)))
+        y = dense(jax.nn.silu(gate) * up, w("down", (c.mlp_dim, c.d_model)), 1, self.dtype)
         if c.mlp_bias:
             y = y + p("down_bias", (c.d_model,), nn.initializers.zeros)
         return y
@@ -126,16 +151,30 @@ class Block(nn.Module):
     param_dtype: Dtype
 
     @nn.compact
-    def __call__(self, x, positions, self_mask, cache_mask, cache_kv):
+    def __call__(self, x, positions, mask, cache_kv, index):
         c = self.cfg
         ones = nn.initializers.ones
         h = rms_norm(x, self.param("input_norm", ones, (c.d_model,), self.param_dtype), c.norm_eps, self.dtype)
-        attn, new_kv = Attention(c, self.dtype, self.param_dtype, name="attn")(
-            h, positions, self_mask, cache_kv, cache_mask)
+        attn, new_kv = Attention(c, self.dtype, self.param_dtype, name="attn")(h, positions, mask, cache_kv, index)
         x = x + attn
         h = rms_norm(x, self.param("post_attn_norm", ones, (c.d_model,), self.param_dtype), c.norm_eps, self.dtype)
         x = x + Mlp(c, self.dtype, self.param_dtype, name="mlp")(h)
         return x, new_kv
+
+
+def _split(stacked) -> tuple:
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
+
+
+def unstack_layers(params):
+    """params whose stacked "layers" subtree (leading axis L) is split into a tuple of L
+    per-layer trees, accepted by `Decoder` whenever it runs with a KV cache. A decode
+    loop calls this once before its `while_loop`: XLA:CPU copies a slice of a stack on
+    every use, so slicing inside the loop would copy all weights every step."""
+    if isinstance(params["layers"], (tuple, list)):
+        return params
+    return {**params, "layers": _split(params["layers"])}
 
 
 class Decoder(nn.Module):
@@ -152,7 +191,7 @@ class Decoder(nn.Module):
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.n_layers,
             unroll=self.unroll,
         )(c, self.dtype, self.param_dtype, name="layers")
@@ -174,33 +213,42 @@ class Decoder(nn.Module):
         valid = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
         step = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1  # [B, T]
         slot = jnp.arange(t)
-        # within the chunk: causal over valid keys; a query always sees itself (no empty rows)
-        self_mask = ((slot[None, :] <= slot[:, None])[None] & valid[:, None, :]) | jnp.eye(t, dtype=bool)[None]
-        if cache is None:
-            positions = jnp.maximum(step, 0)
-            cache_mask, cache_kv = None, None
-        else:
-            positions = cache.next_pos[:, None] + jnp.maximum(step, 0)
-            # every filled slot lies before the chunk; unfilled ones are not valid
-            cache_mask = jnp.broadcast_to(cache.valid[:, None, :], (b, t, cache.capacity))
-            cache_kv = (cache.k, cache.v)
-
         x = self.embed.astype(self.dtype)[tokens]  # [B, T, D]
-        x, (new_k, new_v) = self.layers(x, positions, self_mask, cache_mask, cache_kv)  # new_k [L, B, T, K, H]
+        if cache is None:
+            # causal over valid keys; a query always sees itself (no empty rows)
+            mask = ((slot[None, :] <= slot[:, None])[None] & valid[:, None, :]) | jnp.eye(t, dtype=bool)[None]
+            x, _ = self.layers(x, jnp.maximum(step, 0), mask, None, None)
+            new_cache = None
+        else:
+            x, new_cache = self._cached_layers(x, cache.next_pos[:, None] + jnp.maximum(step, 0), cache, valid)
         x = rms_norm(x, self.final_norm, self.cfg.norm_eps, self.dtype)
-
-        new_cache = None
-        if cache is not None:  # one in-place write of the chunk for all layers
-            at = (0, 0, cache.index, 0, 0)
-            new_cache = KVCache(
-                k=jax.lax.dynamic_update_slice(cache.k, new_k.astype(cache.k.dtype), at),
-                v=jax.lax.dynamic_update_slice(cache.v, new_v.astype(cache.v.dtype), at),
-                valid=jax.lax.dynamic_update_slice(cache.valid, valid, (0, cache.index)),
-                next_pos=cache.next_pos + valid.sum(axis=1).astype(jnp.int32),
-                index=cache.index + t)
         if return_hidden:
             return x, new_cache
         return self.unembed(x), new_cache
+
+    def _cached_layers(self, x, positions, cache: KVCache, valid):
+        """The layers as a Python loop (not the scan), each updating its own cache arrays
+        in place. The weights come from `unstack_layers(params)` when the caller split
+        them once (a decode loop does, outside its `while_loop`); otherwise each layer's
+        slice of the stack is taken here. Returns (x, new cache)."""
+        t = x.shape[1]
+        slots = jnp.arange(cache.capacity)
+        chunk = cache.index + jnp.arange(t)  # the slots this chunk is written to
+        now_valid = jax.lax.dynamic_update_slice(cache.valid, valid, (0, cache.index))  # [B, S]
+        # every filled earlier slot, this chunk causally, and always the query's own slot
+        mask = ((now_valid[:, None, :] & (slots[None, None, :] <= chunk[None, :, None]))
+                | (slots[None, None, :] == chunk[None, :, None]))  # [B, T, S]
+        layers = self.variables["params"]["layers"]
+        if not isinstance(layers, (tuple, list)):
+            layers = _split(layers)
+        block = Block(self.cfg, self.dtype, self.param_dtype, parent=None)
+        ks, vs = [], []
+        for i, p in enumerate(layers):
+            x, (k, v) = block.apply({"params": p}, x, positions, mask, (cache.k[i], cache.v[i]), cache.index)
+            ks.append(k)
+            vs.append(v)
+        return x, KVCache(k=tuple(ks), v=tuple(vs), valid=now_valid,
+                          next_pos=cache.next_pos + valid.sum(axis=1).astype(jnp.int32), index=cache.index + t)
 
     def unembed(self, x):
         """hidden [..., D] -> float32 logits [..., V]."""

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from car_jax.models.cache import KVCache
-from car_jax.models.decoder import Decoder
+from car_jax.models.decoder import Decoder, unstack_layers
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import STOP
 
@@ -66,6 +66,7 @@ def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, ca
     token pending (not in the cache); a row that ran out of budget has it written."""
     b = logits.shape[0]
     n_pat = tables.shape[0]
+    params = unstack_layers(params)  # once, outside the loop: the body reads weights in place
     out = SegmentOut(
         tokens=jnp.zeros((b, max_steps), jnp.int32),
         logp=jnp.zeros((b, max_steps), jnp.float32),

@@ -1,9 +1,12 @@
 """Per-token log-probs and entropies without ever holding the full [B, T, V] logits.
 
 The decoder runs once to the final hidden states [B, T, D]; the vocabulary projection,
-log-softmax and gather then run over chunks of positions inside a `lax.scan` whose
-body is rematerialised, so both the forward and the backward pass hold one chunk's
-logits [B, C, V] at a time.
+log-softmax, entropy and gather then run over chunks of positions inside a `lax.scan`.
+Each chunk is one custom-gradient op (`head_stats`): its forward keeps only the chunk's
+hidden states and two numbers per position, and its backward recomputes the chunk's
+logits and writes the gradient in closed form, so both passes hold one chunk's logits
+[B, C, V] at a time and pay for two exponentials per logit in all (autodiff through
+logsumexp and the entropy takes five).
 """
 from __future__ import annotations
 
@@ -13,6 +16,63 @@ import jax
 import jax.numpy as jnp
 
 from car_jax.models.decoder import Decoder
+
+
+def _logits(h, w, inv_t: float, tied: bool):
+    """h [N, D] @ unembedding -> float32 [N, V] / temperature (w is [V, D] if tied, else [D, V])."""
+    return jnp.dot(h, w.T if tied else w, preferred_element_type=jnp.float32) * inv_t
+
+
+def _stats(h, w, y, inv_t, tied):
+    x = _logits(h, w, inv_t, tied)  # [N, V]
+    ones = jnp.ones((x.shape[-1],), jnp.float32)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    e = jnp.exp(x - m)
+    # the two sums over the vocabulary as matrix-vector products: XLA:CPU's fused
+    # exp-and-reduce kernel is ~3x slower than an exp pass plus a dot
+    s = e @ ones
+    lse = m[:, 0] + jnp.log(s)
+    logp = jnp.take_along_axis(x, y[:, None], axis=-1)[:, 0] - lse
+    entropy = lse - ((e * x) @ ones) / s
+    return logp, entropy, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def head_stats(h: jax.Array, w: jax.Array, y: jax.Array, inv_t: float, tied: bool):
+    """h [N, D] final hidden states, w the unembedding, y int32[N] targets ->
+    (logp, entropy) float32[N] of softmax(h @ w * inv_t)."""
+    logp, entropy, _ = _stats(h, w, y, inv_t, tied)
+    return logp, entropy
+
+
+def _head_fwd(h, w, y, inv_t, tied):
+    logp, entropy, lse = _stats(h, w, y, inv_t, tied)
+    return (logp, entropy), (h, w, y, lse, entropy)
+
+
+def _head_bwd(inv_t, tied, res, g):
+    # d logp_y / dx = onehot(y) - p;  d H / dx = -p (x - lse + H), with p = exp(x - lse)
+    h, w, y, lse, entropy = res
+    g_lp, g_ent = g
+    x = _logits(h, w, inv_t, tied)
+    p = jnp.exp(x - lse[:, None])
+    onehot = jnp.arange(x.shape[-1], dtype=y.dtype)[None, :] == y[:, None]
+    d = jnp.where(onehot, g_lp[:, None], 0.0) - p * (g_lp[:, None] + g_ent[:, None] * (x - lse[:, None]
+                                                                                     + entropy[:, None]))
+    d = (d * inv_t).astype(h.dtype)  # gradient w.r.t. the raw logits
+    dh = jnp.dot(d, w if tied else w.T, preferred_element_type=jnp.float32).astype(h.dtype)
+    dw = (jnp.dot(d.T, h, preferred_element_type=jnp.float32) if tied
+          else jnp.dot(h.T, d, preferred_element_type=jnp.float32))
+    return dh, dw.astype(w.dtype), None
+
+
+head_stats.defvjp(_head_fwd, _head_bwd)
+
+
+def unembedding(module: Decoder, params) -> tuple[jax.Array, bool]:
+    """(weight in the compute dtype, tied): [V, D] embedding if tied, else [D, V] lm_head."""
+    tied = module.cfg.tie_embeddings
+    return (params["embed"] if tied else params["lm_head"]).astype(module.dtype), tied
 
 
 def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array | None = None, *,
@@ -30,20 +90,16 @@ def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array 
     pad = (-n) % c
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    h = h.reshape(b, -1, c, d).swapaxes(0, 1)  # [n_chunks, B, C, D]
-    targets = targets.reshape(b, -1, c).swapaxes(0, 1)  # [n_chunks, B, C]
+    h = h.reshape(b, -1, c, d).swapaxes(0, 1).reshape(-1, b * c, d)  # [n_chunks, B*C, D]
+    targets = targets.reshape(b, -1, c).swapaxes(0, 1).reshape(-1, b * c)  # [n_chunks, B*C]
+    w, tied = unembedding(module, params)
+    inv_t = 1.0 / temperature
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def one_chunk(h_c, y_c):
-        logits = module.apply({"params": params}, h_c, method=Decoder.unembed) / temperature  # [B, C, V]
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        logp = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0] - lse
-        probs = jnp.exp(logits - lse[..., None])
-        entropy = lse - (probs * logits).sum(-1)
-        return logp, entropy
+    def one_chunk(carry, xs):
+        return carry, head_stats(xs[0], w, xs[1], inv_t, tied)
 
-    _, (logp, entropy) = jax.lax.scan(lambda carry, xs: (carry, one_chunk(*xs)), None, (h, targets))
-    logp = logp.swapaxes(0, 1).reshape(b, -1)[:, :n]
-    entropy = entropy.swapaxes(0, 1).reshape(b, -1)[:, :n]
+    _, (logp, entropy) = jax.lax.scan(one_chunk, None, (h, targets))
+    logp = logp.reshape(-1, b, c).swapaxes(0, 1).reshape(b, -1)[:, :n]
+    entropy = entropy.reshape(-1, b, c).swapaxes(0, 1).reshape(b, -1)[:, :n]
     zero = jnp.zeros((b, 1), jnp.float32)
     return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, entropy], axis=1)

@@ -35,14 +35,38 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Dtype) -> jax.Ar
     return scale.astype(dtype) * y.astype(dtype)
 
 
+@jax.custom_vjp
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [N, I] @ w [I, O] (same dtype) -> float32 [N, O], accumulated in float32."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _matmul_fwd(x, w):
+    return _matmul(x, w), (x, w)
+
+
+def _matmul_bwd(res, g):
+    # both gradient matmuls in the operands' dtype with float32 accumulation, like the
+    # forward: autodiff would run them on the float32 cotangent, at float32 speed
+    x, w = res
+    g = g.astype(x.dtype)
+    dx = jnp.dot(g, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.dot(x.T, g, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx, dw
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
 def dense(x: jax.Array, w: jax.Array, n_in: int, dtype: Dtype) -> jax.Array:
     """x [..., *In] times w [*In, *Out] (the first n_in axes of w are contracted) as one
-    2D matmul [N, prod(In)] x [prod(In), prod(Out)] in `dtype` with float32 accumulation.
-    Both reshapes are free, and XLA then never has to transpose a weight to fit its dot
-    (it does for some multi-axis einsums on CPU, every call)."""
+    2D matmul [N, prod(In)] x [prod(In), prod(Out)] in `dtype` with float32 accumulation,
+    the result cast to `dtype`. The reshapes are free; XLA:CPU then never transposes a
+    weight to fit its dot (it does for some multi-axis einsums, on every call), and bf16
+    products run at bf16 speed in the backward pass too."""
     n_out = w.ndim - n_in
     w2 = w.astype(dtype).reshape(-1, int(np.prod(w.shape[n_in:])))
-    y = jnp.dot(x.reshape(-1, w2.shape[0]), w2, preferred_element_type=jnp.float32).astype(dtype)
+    y = _matmul(x.astype(dtype).reshape(-1, w2.shape[0]), w2).astype(dtype)
     return y.reshape(*x.shape[:x.ndim - n_in], *w.shape[w.ndim - n_out:])
 
 
@@ -131,7 +155,7 @@ class Mlp(nn.Module):
     def __call__(self, x):  # x [B, T, D] -> [B, T, D]
         c = self.cfg
         p = lambda name, shape, init=_init: self.param(name, init, shape, self.param_dtype).astype(self.dtype)
-        w = lambda name, shape: self.param(name, _init, shape, self.param_dtype)  # noqa: E731
+        w = lambda name, shape: self.param(name, _init, shape, self.param_dtype)
         gate = dense(x, w("gate", (c.d_model, c.mlp_dim)), 1, self.dtype)  # [B, T, F]
         up = dense(x, w("up", (c.d_model, c.mlp_dim)), 1, self.dtype)
         if c.mlp_bias:

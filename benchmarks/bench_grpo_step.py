@@ -30,7 +30,7 @@ def toy_reward(texts: list[str]) -> list[float]:
     return [float(any(c.isdigit() for c in t)) for t in texts]
 
 
-def car_jax_steps(folder, args, n_steps: int) -> list[float]:
+def car_jax_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, float]]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -55,25 +55,30 @@ def car_jax_steps(folder, args, n_steps: int) -> list[float]:
                for q in QUESTIONS[: args.prompts]]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts for _ in range(args.group)]
     micro = len(ids) // 4
-    times = []
+    times, split = [], {}
     for step in range(n_steps):
         start = time.perf_counter()
         policy = Model(model.config, state.params, model.module)
         out = generate_ids(policy, tok, ids, max_new_tokens=args.new, sampler=Sampler(1.0), seed=step,
                            eos=np.array([], np.int32))
+        split["rollout"] = time.perf_counter() - start
         texts = [tok.decode(out.tokens[i]) for i in range(len(ids))]
         rewards = np.array(toy_reward(texts))
         adv = grpo.group_advantages(rewards, np.repeat(np.arange(args.prompts), args.group))
         trajs = [Trajectory(p, list(out.tokens[i]), list(out.logp[i]), [1] * args.new) for i, p in enumerate(ids)]
         arrays = batch_arrays(trajs, adv, tok.pad_token_id, np.ones(len(ids), bool))
+        mark = time.perf_counter()
         arrays["ref_logp"] = np.concatenate([np.asarray(logprob_fn(ref, jnp.asarray(arrays["tokens"][i:i + micro]),
                                                                    jnp.asarray(arrays["valid"][i:i + micro])))
                                              for i in range(0, len(ids), micro)])
+        split["reference log-probs"] = time.perf_counter() - mark
+        mark = time.perf_counter()
         batch = {k: jnp.asarray(v.reshape(4, micro, *v.shape[1:])) for k, v in arrays.items()}
         state, metrics = step_fn(state, batch)
         jax.block_until_ready(state.params)
+        split["update (4 micro-batches)"] = time.perf_counter() - mark
         times.append(time.perf_counter() - start)
-    return times
+    return times, split
 
 
 def trl_steps(folder, args, n_steps: int) -> list[float]:
@@ -117,7 +122,7 @@ def main() -> None:
     args = ap.parse_args()
     from car_jax.run_default import default_model_dir
     folder = default_model_dir()
-    ours = car_jax_steps(folder, args, args.steps)
+    ours, split = car_jax_steps(folder, args, args.steps)
     theirs = trl_steps(folder, args, args.steps)
     import trl
     print(header(f"One GRPO step, SmolLM2-135M fp32, {args.prompts} prompts x {args.group} generations x "
@@ -128,6 +133,7 @@ def main() -> None:
     print(f"| TRL {trl.__version__} `GRPOTrainer` (transformers generate + torch) | {theirs[0]:.1f} | {theirs[-1]:.1f} |")
     print(f"| car_jax (jitted decode loop + jitted train step) | {ours[0]:.1f} (includes compile) | {ours[-1]:.1f} |")
     print(f"\ncar_jax time / TRL time (last step): **{ours[-1] / theirs[-1]:.2f}**")
+    print("car_jax's last step: " + ", ".join(f"{k} {v:.1f} s" for k, v in split.items()))
 
 
 if __name__ == "__main__":

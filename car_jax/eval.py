@@ -100,12 +100,15 @@ def score(examples: Sequence[QAExample], responses: Sequence[str], mode: str) ->
 
 
 # ---------------------------------------------------------------- samples file
-def read_samples(path: str | Path, repair: bool = False) -> list[dict]:
+def read_samples(path: str | Path, repair: bool = False, missing_ok: bool = False) -> list[dict]:
     """The records of a samples.jsonl. A torn last line (no newline, not JSON: a crash while
-    writing) is skipped, and cut from the file when `repair`; a bad line elsewhere raises."""
+    writing) is skipped, and cut from the file when `repair`; a bad line elsewhere raises.
+    A missing file raises, unless `missing_ok` (then there are no records yet)."""
     path = Path(path)
     if not path.is_file():
-        return []
+        if missing_ok:
+            return []
+        raise FileNotFoundError(f"no samples file at {path}: `car-jax eval` writes <out>/samples.jsonl")
     data = path.read_bytes()
     lines = data.split(b"\n")
     rows, good_end = [], 0
@@ -218,7 +221,7 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES_FILE
-    done_rows = read_samples(path, repair=resume) if resume else []
+    done_rows = read_samples(path, repair=True, missing_ok=True) if resume else []
     if not resume and path.is_file() and path.stat().st_size:
         raise FileExistsError(f"{path} already holds samples; pass resume=True (--resume) to continue "
                               "that run, or choose another out_dir")

@@ -231,3 +231,10 @@ def test_embedded_smollm2_direct(smollm2_hf, tmp_path):
     assert len(samples) == 8 and all(s["response"].strip() for s in samples)  # it really wrote text
     assert all(s["n_turns"] == 1 and s["n_tool_calls"] == 0 for s in samples)
     _check_summary_matches(summary, samples)
+
+
+def test_read_samples_of_a_missing_file_names_it(tmp_path):
+    missing = tmp_path / "nowhere" / "samples.jsonl"
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        ev.read_samples(missing)
+    assert ev.read_samples(missing, missing_ok=True) == []

@@ -253,8 +253,8 @@ class Decoder(nn.Module):
     def _cached_layers(self, x, positions, cache: KVCache, valid):
         """The layers as a Python loop (not the scan), each updating its own cache arrays
         in place. The weights come from `unstack_layers(params)` when the caller split
-        them once (a decode loop does, outside its `while_loop`); otherwise each layer's
-        slice of the stack is taken here. Returns (x, new cache)."""
+        them once (the decode loop does on CPU, outside its `while_loop`); otherwise each
+        layer's slice of the stack is taken here. Returns (x, new cache)."""
         t = x.shape[1]
         slots = jnp.arange(cache.capacity)
         chunk = cache.index + jnp.arange(t)  # the slots this chunk is written to

@@ -54,6 +54,17 @@ def prefill(module: Decoder, params, cache: KVCache, tokens, valid):
     return logits, cache
 
 
+def loop_params(module: Decoder, params):
+    """The weights the decode loop reads. On CPU they are split per layer and cast to the
+    compute dtype once, outside the `while_loop`: XLA:CPU would otherwise copy every
+    layer's slice of the stack (and cast it) on every step, and bf16 compute over fp32
+    storage then streams half the bytes. On accelerators this extra copy of the weights
+    would cost device memory, so the loop slices the stack itself (not measured there)."""
+    if jax.default_backend() != "cpu":
+        return params
+    return unstack_layers(jax.tree.map(lambda a: a.astype(module.dtype), params))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
 def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, cache: KVCache,
                    logits, active, eos_ids, tables, key):
@@ -66,9 +77,7 @@ def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, ca
     token pending (not in the cache); a row that ran out of budget has it written."""
     b = logits.shape[0]
     n_pat = tables.shape[0]
-    # once, outside the loop: the body then reads each layer's weights in place, already
-    # in the compute dtype (bf16 compute over fp32 storage reads half the bytes per step)
-    params = unstack_layers(jax.tree.map(lambda a: a.astype(module.dtype), params))
+    params = loop_params(module, params)
     out = SegmentOut(
         tokens=jnp.zeros((b, max_steps), jnp.int32),
         logp=jnp.zeros((b, max_steps), jnp.float32),

@@ -1,10 +1,11 @@
 """One GRPO step (rollout + update), car_jax against TRL's `GRPOTrainer`, on the embedded
-SmolLM2-135M-Instruct (fp32, CPU), same prompts, batch, group size, lengths, KL coef and
+SmolLM2-135M-Instruct (CPU), same prompts, batch, group size, lengths, KL coef and
 reward, in one run on the same machine.
 
     .venv/bin/python benchmarks/bench_grpo_step.py [--prompts 8] [--group 4] [--new 128]
 
 Both sides sample exactly --new tokens per completion (EOS suppressed), temperature 1,
+fp32 weights with --dtype compute (default float32; bfloat16 is torch autocast in TRL),
 beta / kl_coef 0.001 (so both run a reference forward), 4 gradient-accumulation
 micro-batches, one optimizer step per rollout. Needs `pip install trl==1.16.0` (the
 `bench` extra)."""
@@ -44,7 +45,7 @@ def car_jax_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, fl
     from car_jax.train import batch_arrays
     from car_jax.train_step import OptimConfig, init_state, make_logprob_fn, make_optimizer, make_train_step
 
-    model = car_jax.load_model(folder, progress=False)
+    model = car_jax.load_model(folder, progress=False, dtype=args.dtype, param_dtype="float32")
     tok = car_jax.load_tokenizer(folder)
     ref = jax.tree.map(jnp.copy, model.params)
     opt = make_optimizer(OptimConfig(lr=1e-6, total_steps=100))
@@ -104,7 +105,8 @@ def trl_steps(folder, args, n_steps: int) -> list[float]:
                      gradient_accumulation_steps=4, num_generations=args.group,
                      max_completion_length=args.new, temperature=1.0, beta=0.001, learning_rate=1e-6,
                      max_steps=n_steps, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
-                     generation_kwargs={"min_new_tokens": args.new}, dataloader_num_workers=0, seed=0)
+                     generation_kwargs={"min_new_tokens": args.new}, dataloader_num_workers=0, seed=0,
+                     bf16=args.dtype == "bfloat16")
     trainer = GRPOTrainer(model=model, processing_class=tok, args=cfg, train_dataset=data,
                           reward_funcs=lambda completions, **kw: toy_reward(
                               [c[0]["content"] if isinstance(c, list) else c for c in completions]),
@@ -119,15 +121,17 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="compute dtype on both sides (weights stay fp32): car_jax model.dtype, TRL bf16=True")
     args = ap.parse_args()
     from car_jax.run_default import default_model_dir
     folder = default_model_dir()
     ours, split = car_jax_steps(folder, args, args.steps)
     theirs = trl_steps(folder, args, args.steps)
     import trl
-    print(header(f"One GRPO step, SmolLM2-135M fp32, {args.prompts} prompts x {args.group} generations x "
-                 f"{args.new} new tokens", f"python benchmarks/bench_grpo_step.py --prompts {args.prompts} "
-                 f"--group {args.group} --new {args.new} --steps {args.steps}"))
+    print(header(f"One GRPO step, SmolLM2-135M, {args.dtype} compute, {args.prompts} prompts x {args.group} "
+                 f"generations x {args.new} new tokens", f"python benchmarks/bench_grpo_step.py --prompts {args.prompts} "
+                 f"--group {args.group} --new {args.new} --steps {args.steps} --dtype {args.dtype}"))
     print("| system | first step (s) | last step (s) |")
     print("|---|---:|---:|")
     print(f"| TRL {trl.__version__} `GRPOTrainer` (transformers generate + torch) | {theirs[0]:.1f} | {theirs[-1]:.1f} |")

@@ -109,7 +109,8 @@ class MetricsLogger:
         self._file.flush()
         if self._tb is not None:
             for k, v in values.items():
-                self._tb.add_scalar(k, v, global_step=step)
+                if math.isfinite(v):  # an undefined value (AUROC of a batch with one class) stays in the JSONL
+                    self._tb.add_scalar(k, v, global_step=step)
             self._tb.flush()
         if self._bar is not None:
             shown = {k: f"{values[k]:.4g}" for k in self.show if k in values}

@@ -39,10 +39,9 @@ def car_jax_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, fl
     import car_jax
     from car_jax import grpo
     from car_jax.models.api import Model
-    from car_jax.rollout.episode import Trajectory
     from car_jax.rollout.generate import generate_ids
     from car_jax.rollout.sampling import Sampler
-    from car_jax.train import batch_arrays
+    from car_jax.train import chunked_logprobs, micro_batches, single_turn_arrays
     from car_jax.train_step import OptimConfig, init_state, make_logprob_fn, make_optimizer, make_train_step
 
     model = car_jax.load_model(folder, progress=False, dtype=args.dtype, param_dtype="float32")
@@ -64,17 +63,13 @@ def car_jax_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, fl
                            eos=np.array([], np.int32))
         split["rollout"] = time.perf_counter() - start
         texts = [tok.decode(out.tokens[i]) for i in range(len(ids))]
-        rewards = np.array(toy_reward(texts))
-        adv = grpo.group_advantages(rewards, np.repeat(np.arange(args.prompts), args.group))
-        trajs = [Trajectory(p, list(out.tokens[i]), list(out.logp[i]), [1] * args.new) for i, p in enumerate(ids)]
-        arrays = batch_arrays(trajs, adv, tok.pad_token_id, np.ones(len(ids), bool))
+        groups = np.repeat(np.arange(args.prompts), args.group)
+        arrays = single_turn_arrays(ids, out, np.array(toy_reward(texts)), groups, tok.pad_token_id)
         mark = time.perf_counter()
-        arrays["ref_logp"] = np.concatenate([np.asarray(logprob_fn(ref, jnp.asarray(arrays["tokens"][i:i + micro]),
-                                                                   jnp.asarray(arrays["valid"][i:i + micro])))
-                                             for i in range(0, len(ids), micro)])
+        arrays["ref_logp"] = chunked_logprobs(logprob_fn, ref, arrays, micro)
         split["reference log-probs"] = time.perf_counter() - mark
         mark = time.perf_counter()
-        batch = {k: jnp.asarray(v.reshape(4, micro, *v.shape[1:])) for k, v in arrays.items()}
+        batch = micro_batches(arrays, np.arange(len(ids)), micro)
         state, metrics = step_fn(state, batch)
         jax.block_until_ready(state.params)
         split["update (4 micro-batches)"] = time.perf_counter() - mark

@@ -26,7 +26,8 @@ from car_jax.config import save_config
 from car_jax.data import load_dataset, make_prompt
 from car_jax.models.api import Model
 from car_jax.rewards import reward_inputs
-from car_jax.rollout.episode import EpisodeStats, run_episodes
+from car_jax.rollout.decode import SegmentOut
+from car_jax.rollout.episode import EpisodeStats, Trajectory, run_episodes
 from car_jax.rollout.generate import length_bucket
 from car_jax.train_config import TrainConfig
 from car_jax.train_log import MetricsLogger, Timer
@@ -53,8 +54,30 @@ def batch_arrays(trajs, advantages: np.ndarray, pad_id: int, keep: np.ndarray) -
     return out
 
 
-def _split(arrays: dict[str, np.ndarray], rows: np.ndarray, micro: int) -> dict[str, jax.Array]:
+def single_turn_arrays(prompt_ids, out: SegmentOut, rewards: np.ndarray, groups: np.ndarray,
+                       pad_id: int) -> dict[str, np.ndarray]:
+    """`batch_arrays` for one tool-free turn per row: the row's sampled tokens and their
+    recorded log-probs from `generate_ids`, all kept, with GRPO advantages of `rewards`
+    within `groups` (a group id per row)."""
+    trajs = [Trajectory(list(p), [int(t) for t in out.tokens[i, :out.length[i]]],
+                        [float(x) for x in out.logp[i, :out.length[i]]], [1] * int(out.length[i]))
+             for i, p in enumerate(prompt_ids)]
+    adv = grpo.group_advantages(np.asarray(rewards, np.float64), np.asarray(groups))
+    return batch_arrays(trajs, adv, pad_id, np.ones(len(trajs), bool))
+
+
+def micro_batches(arrays: dict[str, np.ndarray], rows: np.ndarray, micro: int) -> dict[str, jax.Array]:
+    """The chosen rows of `batch_arrays` as a train-step batch [M, micro, ...]."""
     return {k: jnp.asarray(v[rows].reshape(-1, micro, *v.shape[1:])) for k, v in arrays.items()}
+
+
+def chunked_logprobs(logprob_fn, params, arrays: dict[str, np.ndarray], micro: int) -> np.ndarray:
+    """float32[N, T] log-probs of `batch_arrays`' tokens under params, `micro` rows per
+    call of the jitted `logprob_fn` (reference and old-policy log-probs)."""
+    out = [np.asarray(logprob_fn(params, jnp.asarray(arrays["tokens"][i:i + micro]),
+                                 jnp.asarray(arrays["valid"][i:i + micro])))
+           for i in range(0, len(arrays["tokens"]), micro)]
+    return np.concatenate(out)
 
 
 class Trainer:
@@ -170,25 +193,19 @@ class Trainer:
                              f"{mesh.shape['fsdp']}; use a multiple of {mesh.shape['fsdp']}")
         with timer("logprobs"):
             if cfg.rl.loss.kl_coef:
-                arrays["ref_logp"] = self._logprobs(s.ref_params, arrays, micro)
+                arrays["ref_logp"] = chunked_logprobs(s.logprob_fn, s.ref_params, arrays, micro)
             if cfg.rl.recompute_old_logp:
-                arrays["old_logp"] = self._logprobs(s.state.params, arrays, micro)
+                arrays["old_logp"] = chunked_logprobs(s.logprob_fn, s.state.params, arrays, micro)
         history = []
         rng = np.random.default_rng([cfg.seed, step])
         with timer("update"):
             for _ in range(cfg.rl.epochs):
                 order = rng.permutation(n)
                 for start in range(0, n, mini):
-                    s.state, m = s.train_step(s.state, _split(arrays, order[start:start + mini], micro))
+                    s.state, m = s.train_step(s.state, micro_batches(arrays, order[start:start + mini], micro))
                     history.append(m)
             jax.block_until_ready(s.state.params)
         return {k: float(np.mean([float(h[k]) for h in history])) for k in history[0]}
-
-    def _logprobs(self, params, arrays, micro: int) -> np.ndarray:
-        out = [np.asarray(self.s.logprob_fn(params, jnp.asarray(arrays["tokens"][i:i + micro]),
-                                            jnp.asarray(arrays["valid"][i:i + micro])))
-               for i in range(0, len(arrays["tokens"]), micro)]
-        return np.concatenate(out)
 
     def step(self, step: int, timer: Timer) -> dict[str, float]:
         trajs, inputs, rewards, adv, keep, stats = self.rollout(step, timer)

@@ -7,10 +7,9 @@ from car_jax import grpo
 from car_jax.models.api import Model
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
-from car_jax.rollout.episode import Trajectory
 from car_jax.rollout.generate import generate_ids
 from car_jax.rollout.sampling import Sampler
-from car_jax.train import batch_arrays
+from car_jax.train import micro_batches, single_turn_arrays
 from car_jax.train_step import OptimConfig, init_state, make_optimizer, make_train_step
 from tests.hf_factory import StubTokenizer
 
@@ -38,10 +37,7 @@ def test_grpo_lifts_reward_on_a_toy_task():
         curve.append(rewards.mean())
         if step >= 5 and np.mean(curve[-3:]) > 0.8:
             break
-        trajs = [Trajectory(p, list(out.tokens[i, :2]), list(out.logp[i, :2]), [1, 1]) for i, p in enumerate(ids)]
-        adv = grpo.group_advantages(rewards, np.repeat(np.arange(len(prompts)), group))
-        arrays = batch_arrays(trajs, adv, 0, np.ones(len(trajs), bool))
-        batch = {k: jnp.asarray(v)[None] for k, v in arrays.items()}
-        state, _ = step_fn(state, batch)
+        arrays = single_turn_arrays(ids, out, rewards, np.repeat(np.arange(len(prompts)), group), 0)
+        state, _ = step_fn(state, micro_batches(arrays, np.arange(len(ids)), len(ids)))
     assert np.mean(curve[:3]) < 0.3
     assert np.mean(curve[-3:]) > 0.8, curve

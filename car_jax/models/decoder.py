@@ -145,7 +145,6 @@ class Attention(nn.Module):
         return project(out.reshape(b, k_heads, t, g, h).transpose(0, 2, 1, 3, 4)), (keys, values)
 
 
-
 class Mlp(nn.Module):
     cfg: ModelConfig
     dtype: Dtype
@@ -193,9 +192,10 @@ def _split(stacked) -> tuple:
 
 def unstack_layers(params):
     """params whose stacked "layers" subtree (leading axis L) is split into a tuple of L
-    per-layer trees, accepted by `Decoder` whenever it runs with a KV cache. A decode
-    loop calls this once before its `while_loop`: XLA:CPU copies a slice of a stack on
-    every use, so slicing inside the loop would copy all weights every step."""
+    per-layer trees, accepted by `Decoder` whenever it runs with a KV cache. On CPU the
+    decode loop calls this once before its `while_loop` (`rollout.decode.loop_params`):
+    XLA:CPU copies a slice of a stack on every use, so slicing inside the loop would copy
+    all weights every step."""
     if isinstance(params["layers"], (tuple, list)):
         return params
     return {**params, "layers": _split(params["layers"])}

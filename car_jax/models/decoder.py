@@ -185,9 +185,13 @@ class Block(nn.Module):
         return x, new_kv
 
 
-def _split(stacked) -> tuple:
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
+def _split(layers) -> tuple:
+    """A stacked layers subtree (leading axis L) -> a tuple of L per-layer trees; one
+    already split passes through."""
+    if isinstance(layers, (tuple, list)):
+        return tuple(layers)
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))
 
 
 def unstack_layers(params):
@@ -196,8 +200,6 @@ def unstack_layers(params):
     decode loop calls this once before its `while_loop` (`rollout.decode.loop_params`):
     XLA:CPU copies a slice of a stack on every use, so slicing inside the loop would copy
     all weights every step."""
-    if isinstance(params["layers"], (tuple, list)):
-        return params
     return {**params, "layers": _split(params["layers"])}
 
 
@@ -262,12 +264,9 @@ class Decoder(nn.Module):
         # every filled earlier slot, this chunk causally, and always the query's own slot
         mask = ((now_valid[:, None, :] & (slots[None, None, :] <= chunk[None, :, None]))
                 | (slots[None, None, :] == chunk[None, :, None]))  # [B, T, S]
-        layers = self.variables["params"]["layers"]
-        if not isinstance(layers, (tuple, list)):
-            layers = _split(layers)
         block = Block(self.cfg, self.dtype, self.param_dtype, parent=None)
         ks, vs = [], []
-        for i, p in enumerate(layers):
+        for i, p in enumerate(_split(self.variables["params"]["layers"])):
             x, (k, v) = block.apply({"params": p}, x, positions, mask, (cache.k[i], cache.v[i]), cache.index)
             ks.append(k)
             vs.append(v)

@@ -99,7 +99,7 @@ def trl_steps(folder, args, n_steps: int) -> list[float]:
     cfg = GRPOConfig(output_dir="/tmp/trl_bench", per_device_train_batch_size=args.prompts * args.group // 4,
                      gradient_accumulation_steps=4, num_generations=args.group,
                      max_completion_length=args.new, temperature=1.0, beta=0.001, learning_rate=1e-6,
-                     max_steps=n_steps, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
+                     max_steps=n_steps, use_cpu=not torch.cuda.is_available(), report_to="none", save_strategy="no", logging_steps=1,
                      generation_kwargs={"min_new_tokens": args.new}, dataloader_num_workers=0, seed=0,
                      bf16=args.dtype == "bfloat16")
     trainer = GRPOTrainer(model=model, processing_class=tok, args=cfg, train_dataset=data,

@@ -15,16 +15,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from car_jax.models.decoder import Decoder
+from car_jax.models.decoder import Decoder, transposed
 
 
-def _logits(h, w, inv_t: float, tied: bool):
-    """h [N, D] @ unembedding -> float32 [N, V] / temperature (w is [V, D] if tied, else [D, V])."""
-    return jnp.dot(h, w.T if tied else w, preferred_element_type=jnp.float32) * inv_t
+def _logits(h, w, inv_t: float):
+    """h [N, D] @ w [D, V] -> float32 [N, V] / temperature."""
+    return jnp.dot(h, w, preferred_element_type=jnp.float32) * inv_t
 
 
-def _stats(h, w, y, inv_t, tied):
-    x = _logits(h, w, inv_t, tied)  # [N, V]
+def _stats(h, w, y, inv_t):
+    x = _logits(h, w, inv_t)  # [N, V]
     ones = jnp.ones((x.shape[-1],), jnp.float32)
     m = jnp.max(x, axis=-1, keepdims=True)
     e = jnp.exp(x - m)
@@ -37,42 +37,48 @@ def _stats(h, w, y, inv_t, tied):
     return logp, entropy, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def head_stats(h: jax.Array, w: jax.Array, y: jax.Array, inv_t: float, tied: bool):
-    """h [N, D] final hidden states, w the unembedding, y int32[N] targets ->
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def head_stats(h: jax.Array, w: jax.Array, y: jax.Array, inv_t: float):
+    """h [N, D] final hidden states, w [D, V] the unembedding, y int32[N] targets ->
     (logp, entropy) float32[N] of softmax(h @ w * inv_t)."""
-    logp, entropy, _ = _stats(h, w, y, inv_t, tied)
+    logp, entropy, _ = _stats(h, w, y, inv_t)
     return logp, entropy
 
 
-def _head_fwd(h, w, y, inv_t, tied):
-    logp, entropy, lse = _stats(h, w, y, inv_t, tied)
+def _head_fwd(h, w, y, inv_t):
+    logp, entropy, lse = _stats(h, w, y, inv_t)
     return (logp, entropy), (h, w, y, lse, entropy)
 
 
-def _head_bwd(inv_t, tied, res, g):
+def _head_bwd(inv_t, res, g):
     # d logp_y / dx = onehot(y) - p;  d H / dx = -p (x - lse + H), with p = exp(x - lse)
     h, w, y, lse, entropy = res
     g_lp, g_ent = g
-    x = _logits(h, w, inv_t, tied)
+    x = _logits(h, w, inv_t)
     p = jnp.exp(x - lse[:, None])
     onehot = jnp.arange(x.shape[-1], dtype=y.dtype)[None, :] == y[:, None]
     d = jnp.where(onehot, g_lp[:, None], 0.0) - p * (g_lp[:, None] + g_ent[:, None] * (x - lse[:, None]
                                                                                      + entropy[:, None]))
-    d = (d * inv_t).astype(h.dtype)  # gradient w.r.t. the raw logits
-    dh = jnp.dot(d, w if tied else w.T, preferred_element_type=jnp.float32).astype(h.dtype)
-    dw = (jnp.dot(d.T, h, preferred_element_type=jnp.float32) if tied
-          else jnp.dot(h.T, d, preferred_element_type=jnp.float32))
+    d = (d * inv_t).astype(h.dtype)  # gradient w.r.t. the raw logits [N, V]
+    # both products in the (lhs 1, rhs 0) form, on explicit transposes (see `transposed`)
+    dh = jnp.dot(d, _t(w), preferred_element_type=jnp.float32).astype(h.dtype)
+    dw = jnp.dot(_t(h), d, preferred_element_type=jnp.float32)
     return dh, dw.astype(w.dtype), None
+
+
+def _t(a):
+    return a.T if a.dtype == jnp.float32 else transposed(a)
 
 
 head_stats.defvjp(_head_fwd, _head_bwd)
 
 
-def unembedding(module: Decoder, params) -> tuple[jax.Array, bool]:
-    """(weight in the compute dtype, tied): [V, D] embedding if tied, else [D, V] lm_head."""
-    tied = module.cfg.tie_embeddings
-    return (params["embed"] if tied else params["lm_head"]).astype(module.dtype), tied
+def unembedding(module: Decoder, params) -> jax.Array:
+    """The unembedding [D, V] in the compute dtype: the transposed embedding if tied,
+    else lm_head."""
+    if module.cfg.tie_embeddings:
+        return _t(params["embed"].astype(module.dtype))
+    return params["lm_head"].astype(module.dtype)
 
 
 def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array | None = None, *,
@@ -92,11 +98,11 @@ def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array 
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     h = h.reshape(b, -1, c, d).swapaxes(0, 1).reshape(-1, b * c, d)  # [n_chunks, B*C, D]
     targets = targets.reshape(b, -1, c).swapaxes(0, 1).reshape(-1, b * c)  # [n_chunks, B*C]
-    w, tied = unembedding(module, params)
+    w = unembedding(module, params)
     inv_t = 1.0 / temperature
 
     def one_chunk(carry, xs):
-        return carry, head_stats(xs[0], w, xs[1], inv_t, tied)
+        return carry, head_stats(xs[0], w, xs[1], inv_t)
 
     _, (logp, entropy) = jax.lax.scan(one_chunk, None, (h, targets))
     logp = logp.reshape(-1, b, c).swapaxes(0, 1).reshape(b, -1)[:, :n]

@@ -59,32 +59,38 @@ def test_chunked_logprobs_equal_full_logits(tiny, chunk):
     assert (np.asarray(logp)[:, 0] == 0).all()
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_head_gradient_equals_autodiff_of_log_softmax(tied):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_gradient_equals_autodiff_of_log_softmax(dtype):
     """head_stats' closed-form backward against jax.grad through log_softmax and the
-    entropy written out, for both the hidden states and the unembedding."""
+    entropy written out in float32, for both the hidden states and the unembedding. In
+    bfloat16 the backward's products take bf16 operands (the logit gradient is rounded
+    to 8 bits of mantissa), hence the 2% tolerance there; the reference sees the same
+    rounded inputs."""
     from car_jax.logprobs import head_stats
     rng = np.random.default_rng(3)
     n, d, v, temp = 6, 5, 11, 0.7
-    h = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(v, d) if tied else (d, v)), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(n, d)), dtype)
+    w = jnp.asarray(rng.normal(size=(d, v)), dtype)
     y = jnp.asarray(rng.integers(0, v, size=n), jnp.int32)
     a, b = jnp.asarray(rng.normal(size=n), jnp.float32), jnp.asarray(rng.normal(size=n), jnp.float32)
 
     def ours(h, w):
-        logp, ent = head_stats(h, w, y, 1.0 / temp, tied)
+        logp, ent = head_stats(h, w, y, 1.0 / temp)
         return (a * logp + b * ent).sum()
 
     def plain(h, w):
-        full = jax.nn.log_softmax((h @ (w.T if tied else w)) / temp, axis=-1)
+        full = jax.nn.log_softmax((h.astype(jnp.float32) @ w.astype(jnp.float32)) / temp, axis=-1)
         logp = jnp.take_along_axis(full, y[:, None], axis=-1)[:, 0]
         ent = -(jnp.exp(full) * full).sum(-1)
         return (a * logp + b * ent).sum()
 
-    assert abs(float(ours(h, w)) - float(plain(h, w))) <= 1e-5
+    rel = 1e-5 if dtype == "float32" else 2e-2
+    assert abs(float(ours(h, w)) - float(plain(h, w))) <= 1e-5 * max(1.0, abs(float(plain(h, w))))
     for got, want in zip(jax.grad(ours, argnums=(0, 1))(h, w), jax.grad(plain, argnums=(0, 1))(h, w)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
-        assert float(jnp.abs(want).max()) > 1e-3
+        assert got.dtype == want.dtype == jnp.dtype(dtype)
+        scale = float(jnp.abs(want.astype(jnp.float32)).max())
+        assert scale > 1e-3
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=rel * scale)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -155,3 +161,17 @@ def test_remat_gives_the_same_gradients(tiny):
     g_remat, _, loss_remat = fn(module.clone(remat=True), cfg, params, batch)
     diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), g_plain, g_remat)
     assert max(jax.tree.leaves(diff)) <= 1e-6 and float(loss_plain) == pytest.approx(float(loss_remat), abs=1e-7)
+
+
+def test_init_state_is_committed_like_a_stepped_state(tiny):
+    """init_state commits every leaf as a jitted step's outputs are, so the step's second
+    call sees the same argument signature and is not compiled again (a state with some
+    uncommitted leaves was: 10 s lost per run on the 135M model)."""
+    module, params = tiny
+    opt = make_optimizer(OptimConfig(lr=1e-3, total_steps=10))
+    step = make_train_step(module, opt, grpo.LossConfig())
+    params = jax.device_put(jax.tree.map(jnp.copy, params), jax.devices()[0])  # committed, as load_model's
+    state = init_state(params, opt)
+    before = jax.tree.map(lambda x: (x.sharding, x.committed), state)
+    state, _ = step(state, split(make_batch(n=4), 2))
+    assert jax.tree.map(lambda x: (x.sharding, x.committed), state) == before

@@ -86,14 +86,16 @@ def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array 
     """tokens int32[B, T] (right-padded; valid bool[B, T]) -> (logp, entropy), both
     float32[B, T]: logp[b, t] = log softmax(logits / temperature)[tokens[b, t]] predicted
     from position t - 1, and entropy[b, t] the entropy of that distribution; column 0
-    (no prediction) is 0."""
+    (no prediction) is 0. The vocabulary projection runs over ceil((T - 1) / chunk)
+    equal chunks of positions, at most `chunk` each."""
     hidden, _ = module.apply({"params": params}, tokens, valid, None, return_hidden=True)  # [B, T, D]
     b, t, d = hidden.shape
     h = hidden[:, :-1]  # predicts tokens[:, 1:]
     targets = tokens[:, 1:]
     n = t - 1
-    c = min(chunk, n)
-    pad = (-n) % c
+    n_chunks = -(-n // chunk)
+    c = -(-n // n_chunks)  # chunks of equal size <= chunk: 191 positions are 2 x 96, not 2 x 128
+    pad = n_chunks * c - n
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     h = h.reshape(b, -1, c, d).swapaxes(0, 1).reshape(-1, b * c, d)  # [n_chunks, B*C, D]

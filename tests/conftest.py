@@ -8,6 +8,7 @@ if "xla_force_host_platform_device_count" not in flags:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("CAR_JAX_XLA_CACHE", "off")  # the CLI's compilation cache stays out of tests
 
 import jax  # noqa: E402
 

@@ -6,7 +6,9 @@ q/k RMSNorm over the head dim, tied or untied embeddings. Layers are stacked wit
 `nn.scan` (params carry a leading L axis) so compile time does not grow with depth.
 With a KV cache (prefill and decode) the same blocks run as a Python loop over layers
 instead, each on its own weights and cache arrays: on CPU, a scan copies every layer's
-weights and cache slice out of the stacks on each step.
+weights and cache slice out of the stacks on each step. Without a cache, params whose
+layers were split by the caller (`unstack_layers`; the CPU train steps do) also run as
+a Python loop.
 
 `dtype` is the compute dtype, `param_dtype` the storage dtype of the weights; norms,
 softmax and RoPE run in float32, logits are returned in float32.
@@ -49,7 +51,10 @@ def transposed(a: jax.Array) -> jax.Array:
     """a [M, N] -> a.T [N, M] as a real copy. XLA folds a plain `.T` into the dot that
     reads it, and XLA:CPU runs a bf16 dot whose contraction is not (lhs 1, rhs 0) by
     upcasting both operands to float32 first: 3x slower than the copy plus the bf16 dot.
-    Through a size-1 axis the transpose is not folded."""
+    Through a size-1 axis the transpose is not folded. Other backends take the plain
+    `.T` (no copy)."""
+    if jax.default_backend() != "cpu":
+        return a.T
     return a[None].transpose(2, 0, 1).reshape(a.shape[1], a.shape[0])
 
 
@@ -223,9 +228,9 @@ def cpu_layer_loop(params):
     are split (`unstack_layers`), once per step, so the model runs as a Python loop:
     XLA:CPU copies a slice of a stack on every use (a decode loop would copy all weights
     every token), and the scan's backward pass stacks bf16 residuals with an update that
-    converts the whole stack at every layer (measured: a bf16 update step went from
-    24.6 s to 13.2 s). On accelerators the stack and the scan stay: one compiled layer,
-    no second copy of the weights."""
+    converts the whole stack at every layer (SmolLM2-135M, bf16 gradients of 4 x 8 x 192
+    tokens: 24.6 s with the scan, 15.0 s with the loop). On accelerators the stack and
+    the scan stay: one compiled layer, no second copy of the weights."""
     return unstack_layers(params) if jax.default_backend() == "cpu" else params
 
 

@@ -41,10 +41,46 @@ class Sampler:
         logp_all = self.policy_logprobs(logits)
         if self.greedy:
             tokens = first_argmax(logits)
-        else:  # Gumbel-max, what jax.random.categorical does, with the faster argmax
+        else:
             scaled = truncate(logits.astype(jnp.float32) / self.temperature, self.top_k, self.top_p)
-            tokens = first_argmax(scaled + jax.random.gumbel(key, scaled.shape, scaled.dtype))
+            tokens = inverse_cdf(scaled, key)
         return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+
+
+def inverse_cdf(scaled: jax.Array, key: jax.Array, block: int = 256) -> jax.Array:
+    """int32[B]: one draw per row of softmax(scaled) [B, V] (-inf or finfo.min entries
+    never drawn), by inverting the row's CDF with one uniform number: the block of
+    `block` tokens whose running mass first exceeds u * total, then the token inside it.
+    Gumbel-max (jax.random.categorical) needs V random numbers and two logs per token
+    per step: over a 49k vocabulary on CPU that alone took ~8 ms a step at batch 32."""
+    b, v = scaled.shape
+    n_blocks = -(-v // block)
+    p = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # the largest is 1
+    p = jnp.pad(p, ((0, 0), (0, n_blocks * block - v))).reshape(b, n_blocks, block)
+    mass = p @ jnp.ones((block,), p.dtype)  # [B, n_blocks]
+    running = jnp.cumsum(mass, axis=-1)
+    target = jax.random.uniform(key, (b,), p.dtype) * running[:, -1]
+    # the first block whose running mass exceeds the target (rounding can put the target
+    # at the total: then the last block that holds any mass)
+    j = jnp.minimum(jnp.sum(running <= target[:, None], axis=-1), _last_true(mass > 0))
+    inside = jnp.take_along_axis(p, j[:, None, None], axis=1)[:, 0]  # [B, block]
+    before = jnp.take_along_axis(running - mass, j[:, None], axis=1)[:, 0]
+    local = jnp.cumsum(inside, axis=-1)
+    i = jnp.sum(local <= (target - before)[:, None], axis=-1)
+    i = jnp.clip(i, _first_true(inside > 0), _last_true(inside > 0))  # a token with mass
+    return (j * block + i).astype(jnp.int32)
+
+
+def _first_true(x: jax.Array) -> jax.Array:
+    """int32[B]: the first index where x [B, N] is True (0 if none)."""
+    idx = jnp.min(jnp.where(x, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
+    return jnp.where(idx < x.shape[-1], idx, 0).astype(jnp.int32)
+
+
+def _last_true(x: jax.Array) -> jax.Array:
+    """int32[B]: the last index where x [B, N] is True (0 if none)."""
+    idx = jnp.max(jnp.where(x, jnp.arange(x.shape[-1], dtype=jnp.int32), 0), axis=-1)
+    return idx.astype(jnp.int32)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

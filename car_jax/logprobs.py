@@ -60,7 +60,8 @@ def _head_bwd(inv_t, res, g):
     d = jnp.where(onehot, g_lp[:, None], 0.0) - p * (g_lp[:, None] + g_ent[:, None] * (x - lse[:, None]
                                                                                      + entropy[:, None]))
     d = (d * inv_t).astype(h.dtype)  # gradient w.r.t. the raw logits [N, V]
-    # both products in the (lhs 1, rhs 0) form, on explicit transposes (see `transposed`)
+    # in bf16 both products read explicit transposes, so each is a (lhs 1, rhs 0) dot
+    # (see `transposed`); float32 dots take the folded `.T` at full speed
     dh = jnp.dot(d, _t(w), preferred_element_type=jnp.float32).astype(h.dtype)
     dw = jnp.dot(_t(h), d, preferred_element_type=jnp.float32)
     return dh, dw.astype(w.dtype), None

@@ -72,7 +72,8 @@ def init_state(params, optimizer: optax.GradientTransformation, mesh: Mesh | Non
     time on its second call (a 10 s compile on CPU for a 135M model)."""
     state = TrainState(params, jax.jit(optimizer.init)(params), jnp.zeros((), jnp.int32))
     if mesh is None:
-        device = next(iter(jax.tree.leaves(params)[0].devices()))
+        leaf = jax.tree.leaves(params)[0]
+        device = next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0]
         return jax.device_put(state, device)
     replicated = NamedSharding(mesh, P())
     on_mesh = lambda x: isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh  # noqa: E731
@@ -101,7 +102,7 @@ def grads_and_metrics(module: Decoder, cfg: grpo.LossConfig, params, batch: Batc
         acc_grads, acc_loss = acc
         return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss), metrics
 
-    params = cpu_layer_loop(params)  # split once per step on CPU; grads come back split
+    params = cpu_layer_loop(params, module.dtype)  # bf16 on CPU: split once; grads come back split
     zeros = jax.tree.map(jnp.zeros_like, params)
     (grads, loss), metrics = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), batch)
     # per-micro metrics are partial sums under the mini-batch norm (token/seq weighted):
@@ -167,7 +168,7 @@ def make_sft_step(module: Decoder, optimizer: optax.GradientTransformation):
     def step(state: TrainState, batch: Batch):
         norm = grpo.norm_of(batch["mask"].reshape(-1, batch["tokens"].shape[-1]))
 
-        params = cpu_layer_loop(state.params)
+        params = cpu_layer_loop(state.params, module.dtype)
 
         def body(acc, micro):
             loss, grads = jax.value_and_grad(loss_fn)(params, micro, norm)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from car_jax.models.cache import KVCache
-from car_jax.models.decoder import Decoder, cpu_layer_loop
+from car_jax.models.decoder import Decoder, unstack_layers
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import STOP
 
@@ -56,12 +56,13 @@ def prefill(module: Decoder, params, cache: KVCache, tokens, valid):
 
 def loop_params(module: Decoder, params):
     """The weights the decode loop reads, computed once outside its `while_loop`. On CPU
-    they are split per layer (`cpu_layer_loop`) and cast to the compute dtype, so bf16
-    compute over fp32 storage streams half the bytes each step. On accelerators the
-    stack stays as it is: a cast copy would cost device memory (not measured there)."""
+    they are split per layer and cast to the compute dtype: XLA:CPU copies a slice of a
+    stack on every use (the loop would copy all weights every token), and bf16 compute
+    over fp32 storage then streams half the bytes. On accelerators the stack stays as it
+    is: a cast copy would cost device memory (not measured there)."""
     if jax.default_backend() != "cpu":
         return params
-    return cpu_layer_loop(jax.tree.map(lambda a: a.astype(module.dtype), params))
+    return unstack_layers(jax.tree.map(lambda a: a.astype(module.dtype), params))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))

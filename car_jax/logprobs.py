@@ -60,15 +60,10 @@ def _head_bwd(inv_t, res, g):
     d = jnp.where(onehot, g_lp[:, None], 0.0) - p * (g_lp[:, None] + g_ent[:, None] * (x - lse[:, None]
                                                                                      + entropy[:, None]))
     d = (d * inv_t).astype(h.dtype)  # gradient w.r.t. the raw logits [N, V]
-    # in bf16 both products read explicit transposes, so each is a (lhs 1, rhs 0) dot
-    # (see `transposed`); float32 dots take the folded `.T` at full speed
-    dh = jnp.dot(d, _t(w), preferred_element_type=jnp.float32).astype(h.dtype)
-    dw = jnp.dot(_t(h), d, preferred_element_type=jnp.float32)
+    # in bf16 on CPU both products read explicit transposes (see `transposed`)
+    dh = jnp.dot(d, transposed(w), preferred_element_type=jnp.float32).astype(h.dtype)
+    dw = jnp.dot(transposed(h), d, preferred_element_type=jnp.float32)
     return dh, dw.astype(w.dtype), None
-
-
-def _t(a):
-    return a.T if a.dtype == jnp.float32 else transposed(a)
 
 
 head_stats.defvjp(_head_fwd, _head_bwd)
@@ -78,7 +73,7 @@ def unembedding(module: Decoder, params) -> jax.Array:
     """The unembedding [D, V] in the compute dtype: the transposed embedding if tied,
     else lm_head."""
     if module.cfg.tie_embeddings:
-        return _t(params["embed"].astype(module.dtype))
+        return transposed(params["embed"].astype(module.dtype))
     return params["lm_head"].astype(module.dtype)
 
 

@@ -48,12 +48,12 @@ def _matmul_fwd(x, w):
 
 
 def transposed(a: jax.Array) -> jax.Array:
-    """a [M, N] -> a.T [N, M] as a real copy. XLA folds a plain `.T` into the dot that
-    reads it, and XLA:CPU runs a bf16 dot whose contraction is not (lhs 1, rhs 0) by
-    upcasting both operands to float32 first: 3x slower than the copy plus the bf16 dot.
-    Through a size-1 axis the transpose is not folded. Other backends take the plain
-    `.T` (no copy)."""
-    if jax.default_backend() != "cpu":
+    """a [M, N] -> a.T [N, M] for a dot to read, as a real copy where that pays. XLA folds
+    a plain `.T` into the dot, and XLA:CPU runs a bf16 dot whose contraction is not
+    (lhs 1, rhs 0) by upcasting both operands to float32 first: 3x slower than the copy
+    plus the bf16 dot. Through a size-1 axis the transpose is not folded. float32 on CPU
+    (whose dots take either form at full speed) and other backends get the plain `.T`."""
+    if a.dtype == jnp.float32 or jax.default_backend() != "cpu":
         return a.T
     return a[None].transpose(2, 0, 1).reshape(a.shape[1], a.shape[0])
 
@@ -63,9 +63,8 @@ def _matmul_bwd(res, g):
     # forward: autodiff would run them on the float32 cotangent, at float32 speed
     x, w = res
     g = g.astype(x.dtype)
-    t = (lambda a: a.T) if x.dtype == jnp.float32 else transposed  # float32 dots take either
-    dx = jnp.dot(g, t(w), preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.dot(t(x), g, preferred_element_type=jnp.float32).astype(w.dtype)
+    dx = jnp.dot(g, transposed(w), preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.dot(transposed(x), g, preferred_element_type=jnp.float32).astype(w.dtype)
     return dx, dw
 
 

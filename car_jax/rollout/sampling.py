@@ -67,14 +67,8 @@ def inverse_cdf(scaled: jax.Array, key: jax.Array, block: int = 256) -> jax.Arra
     before = jnp.take_along_axis(running - mass, j[:, None], axis=1)[:, 0]
     local = jnp.cumsum(inside, axis=-1)
     i = jnp.sum(local <= (target - before)[:, None], axis=-1)
-    i = jnp.clip(i, _first_true(inside > 0), _last_true(inside > 0))  # a token with mass
+    i = jnp.clip(i, first_argmax(inside > 0), _last_true(inside > 0))  # a token with mass
     return (j * block + i).astype(jnp.int32)
-
-
-def _first_true(x: jax.Array) -> jax.Array:
-    """int32[B]: the first index where x [B, N] is True (0 if none)."""
-    idx = jnp.min(jnp.where(x, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
-    return jnp.where(idx < x.shape[-1], idx, 0).astype(jnp.int32)
 
 
 def _last_true(x: jax.Array) -> jax.Array:

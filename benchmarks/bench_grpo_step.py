@@ -41,7 +41,7 @@ def car_jax_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, fl
     from car_jax.models.api import Model
     from car_jax.rollout.generate import generate_ids
     from car_jax.rollout.sampling import Sampler
-    from car_jax.train import chunked_logprobs, micro_batches, single_turn_arrays
+    from car_jax.batches import chunked_logprobs, micro_batches, single_turn_arrays
     from car_jax.train_step import OptimConfig, init_state, make_logprob_fn, make_optimizer, make_train_step
 
     model = car_jax.load_model(folder, progress=False, dtype=args.dtype, param_dtype="float32")

@@ -1,8 +1,9 @@
 """Per-token log-probs and entropies without ever holding the full [B, T, V] logits.
 
-The decoder runs once to the final hidden states [B, T, D]; the vocabulary projection,
-log-softmax, entropy and gather then run over chunks of positions inside a `lax.scan`.
-Each chunk is one custom-gradient op (`head_stats`): its forward keeps only the chunk's
+The decoder runs once to the final hidden states [B, T, D] (`token_logprobs`, full
+sequences) or [B, R, D] (`response_logprobs`, responses after shared prompts, what the
+train steps use); the vocabulary projection, log-softmax, entropy and gather then run
+over chunks of positions inside a `lax.scan` (`chunked_head`). Each chunk is one custom-gradient op (`head_stats`): its forward keeps only the chunk's
 hidden states and two numbers per position, and its backward recomputes the chunk's
 logits and writes the gradient in closed form, so both passes hold one chunk's logits
 [B, C, V] at a time and pay for two exponentials per logit in all (autodiff through
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from car_jax.models.decoder import Decoder, transposed
+from car_jax.models.prompt_forward import prompt_response_hidden
 
 
 def _logits(h, w, inv_t: float):
@@ -77,18 +79,13 @@ def unembedding(module: Decoder, params) -> jax.Array:
     return params["lm_head"].astype(module.dtype)
 
 
-def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array | None = None, *,
-                   temperature: float = 1.0, chunk: int = 128) -> tuple[jax.Array, jax.Array]:
-    """tokens int32[B, T] (right-padded; valid bool[B, T]) -> (logp, entropy), both
-    float32[B, T]: logp[b, t] = log softmax(logits / temperature)[tokens[b, t]] predicted
-    from position t - 1, and entropy[b, t] the entropy of that distribution; column 0
-    (no prediction) is 0. The vocabulary projection runs over ceil((T - 1) / chunk)
-    equal chunks of positions, at most `chunk` each."""
-    hidden, _ = module.apply({"params": params}, tokens, valid, None, return_hidden=True)  # [B, T, D]
-    b, t, d = hidden.shape
-    h = hidden[:, :-1]  # predicts tokens[:, 1:]
-    targets = tokens[:, 1:]
-    n = t - 1
+def chunked_head(h: jax.Array, targets: jax.Array, w: jax.Array, inv_t: float,
+                 chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+    """h [B, N, D] hidden states, targets int32[B, N], w [D, V] -> (logp, entropy),
+    float32[B, N], of softmax(h @ w * inv_t) at the targets. The N positions run in
+    ceil(N / chunk) equal chunks of at most `chunk` each, one `head_stats` per chunk
+    inside a `lax.scan`, so only one chunk's logits [B, C, V] exist at a time."""
+    b, n, d = h.shape
     n_chunks = -(-n // chunk)
     c = -(-n // n_chunks)  # chunks of equal size <= chunk: 191 positions are 2 x 96, not 2 x 128
     pad = n_chunks * c - n
@@ -96,14 +93,38 @@ def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array 
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     h = h.reshape(b, -1, c, d).swapaxes(0, 1).reshape(-1, b * c, d)  # [n_chunks, B*C, D]
     targets = targets.reshape(b, -1, c).swapaxes(0, 1).reshape(-1, b * c)  # [n_chunks, B*C]
-    w = unembedding(module, params)
-    inv_t = 1.0 / temperature
 
     def one_chunk(carry, xs):
         return carry, head_stats(xs[0], w, xs[1], inv_t)
 
     _, (logp, entropy) = jax.lax.scan(one_chunk, None, (h, targets))
-    logp = logp.reshape(-1, b, c).swapaxes(0, 1).reshape(b, -1)[:, :n]
-    entropy = entropy.reshape(-1, b, c).swapaxes(0, 1).reshape(b, -1)[:, :n]
-    zero = jnp.zeros((b, 1), jnp.float32)
+    unchunk = lambda x: x.reshape(-1, b, c).swapaxes(0, 1).reshape(b, -1)[:, :n]  # noqa: E731
+    return unchunk(logp), unchunk(entropy)
+
+
+def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array | None = None, *,
+                   temperature: float = 1.0, chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+    """tokens int32[B, T] (right-padded; valid bool[B, T]) -> (logp, entropy), both
+    float32[B, T]: logp[b, t] = log softmax(logits / temperature)[tokens[b, t]] predicted
+    from position t - 1, and entropy[b, t] the entropy of that distribution; column 0
+    (no prediction) is 0. The vocabulary projection runs in chunks (`chunked_head`)."""
+    hidden, _ = module.apply({"params": params}, tokens, valid, None, return_hidden=True)  # [B, T, D]
+    logp, entropy = chunked_head(hidden[:, :-1], tokens[:, 1:], unembedding(module, params), 1.0 / temperature,
+                                 chunk)
+    zero = jnp.zeros((tokens.shape[0], 1), jnp.float32)
     return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, entropy], axis=1)
+
+
+def response_logprobs(module: Decoder, params, prompt: jax.Array, prompt_valid: jax.Array, tokens: jax.Array,
+                      valid: jax.Array, prompt_index: jax.Array | None = None, *, temperature: float = 1.0,
+                      chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+    """Log-probs of responses after prompts, each distinct prompt run once
+    (`models.prompt_forward`): prompt int32[U, P] left-padded (prompt_valid bool[U, P]),
+    tokens int32[B, R] right-padded (valid bool[B, R]), row b after prompt
+    prompt_index[b] (None: prompt b). Returns (logp, entropy) float32[B, R]: logp[b, r]
+    = log softmax(logits / temperature)[tokens[b, r]] given the prompt and tokens[b, :r]
+    (the same numbers as `token_logprobs` of the concatenated sequence, at its response
+    positions), and the entropy of that distribution."""
+    last, hidden = prompt_response_hidden(module, params, prompt, prompt_valid, tokens, valid, prompt_index)
+    h = jnp.concatenate([last[:, None], hidden[:, :-1]], axis=1)  # [B, R, D]: slot r predicts tokens[:, r]
+    return chunked_head(h, tokens, unembedding(module, params), 1.0 / temperature, chunk)

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from car_jax.parsing import normalize_answer
@@ -72,10 +71,11 @@ def tokenize_demos(demos: list[dict], tokenizer) -> list[Trajectory]:
 
 
 def run_sft(state, step_fn, trajs: list[Trajectory], *, steps: int, batch: int, pad_id: int, seed: int = 0,
-            log=None):
-    """`steps` SFT updates of `batch` trajectories each (cycling through a shuffle).
-    Returns (state, losses)."""
-    from car_jax.train import batch_arrays
+            log=None, share: bool = True):
+    """`steps` SFT updates of `batch` trajectories each (cycling through a shuffle); with
+    `share`, trajectories with the same prompt run it once (`batches.micro_batches`;
+    False on a mesh). Returns (state, losses)."""
+    from car_jax.batches import batch_arrays, micro_batches
 
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(trajs))
@@ -84,7 +84,7 @@ def run_sft(state, step_fn, trajs: list[Trajectory], *, steps: int, batch: int, 
         idx = [order[(step * batch + i) % len(trajs)] for i in range(batch)]
         chosen = [trajs[i] for i in idx]
         arrays = batch_arrays(chosen, np.zeros(batch, np.float32), pad_id, np.ones(batch, bool))
-        data = {k: jnp.asarray(arrays[k])[None] for k in ("tokens", "valid", "mask")}
+        data = micro_batches(arrays, np.arange(batch), batch, share)
         state, metrics = step_fn(state, data)
         losses.append(float(metrics["sft_loss"]))
         if log is not None:

@@ -45,7 +45,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 # activations and caches, by name -> logical axes
 DATA_AXES: dict[str, tuple[str, ...]] = {
     "tokens": ("batch", "time"),  # int32[B, T]
-    "cache_kv": ("batch", "kv_heads", "cache", "head_dim"),  # one layer's [B, K, S, H]
+    "cache_k": ("batch", "kv_heads", "head_dim", "cache"),  # one layer's keys [B, K, H, S]
+    "cache_v": ("batch", "kv_heads", "cache", "head_dim"),  # one layer's values [B, K, S, H]
     "cache_rows": ("batch", "cache"),  # bool[B, S]
     "rows": ("batch",),  # [B]
 }

@@ -21,63 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax import grpo, metrics as cal
+from car_jax.batches import batch_arrays, chunked_logprobs, micro_batches
 from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
 from car_jax.config import save_config
 from car_jax.data import load_dataset, make_prompt
 from car_jax.models.api import Model
 from car_jax.rewards import reward_inputs
-from car_jax.rollout.decode import SegmentOut
-from car_jax.rollout.episode import EpisodeStats, Trajectory, run_episodes
-from car_jax.rollout.generate import length_bucket
+from car_jax.rollout.episode import EpisodeStats, run_episodes
 from car_jax.train_config import TrainConfig
 from car_jax.train_log import MetricsLogger, Timer
 from car_jax.train_setup import Setup, build_setup
-
-
-def batch_arrays(trajs, advantages: np.ndarray, pad_id: int, keep: np.ndarray) -> dict[str, np.ndarray]:
-    """Right-padded [N, T] arrays of full sequences (prompt + response) for the loss.
-    mask is 1 on sampled tokens of kept trajectories; old_logp holds the sampler's
-    log-probs at the same positions."""
-    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
-    width = length_bucket(max(lengths))
-    n = len(trajs)
-    out = {"tokens": np.full((n, width), pad_id, np.int32), "valid": np.zeros((n, width), bool),
-           "mask": np.zeros((n, width), np.float32), "old_logp": np.zeros((n, width), np.float32),
-           "ref_logp": np.zeros((n, width), np.float32), "advantages": advantages.astype(np.float32)}
-    for i, t in enumerate(trajs):
-        p, L = len(t.prompt_ids), lengths[i]
-        out["tokens"][i, :L] = t.prompt_ids + t.response_ids
-        out["valid"][i, :L] = True
-        if keep[i]:
-            out["mask"][i, p:L] = t.loss_mask
-        out["old_logp"][i, p:L] = t.logprobs
-    return out
-
-
-def single_turn_arrays(prompt_ids, out: SegmentOut, rewards: np.ndarray, groups: np.ndarray,
-                       pad_id: int) -> dict[str, np.ndarray]:
-    """`batch_arrays` for one tool-free turn per row: the row's sampled tokens and their
-    recorded log-probs from `generate_ids`, all kept, with GRPO advantages of `rewards`
-    within `groups` (a group id per row)."""
-    trajs = [Trajectory(list(p), [int(t) for t in out.tokens[i, :out.length[i]]],
-                        [float(x) for x in out.logp[i, :out.length[i]]], [1] * int(out.length[i]))
-             for i, p in enumerate(prompt_ids)]
-    adv = grpo.group_advantages(np.asarray(rewards, np.float64), np.asarray(groups))
-    return batch_arrays(trajs, adv, pad_id, np.ones(len(trajs), bool))
-
-
-def micro_batches(arrays: dict[str, np.ndarray], rows: np.ndarray, micro: int) -> dict[str, jax.Array]:
-    """The chosen rows of `batch_arrays` as a train-step batch [M, micro, ...]."""
-    return {k: jnp.asarray(v[rows].reshape(-1, micro, *v.shape[1:])) for k, v in arrays.items()}
-
-
-def chunked_logprobs(logprob_fn, params, arrays: dict[str, np.ndarray], micro: int) -> np.ndarray:
-    """float32[N, T] log-probs of `batch_arrays`' tokens under params, `micro` rows per
-    call of the jitted `logprob_fn` (reference and old-policy log-probs)."""
-    out = [np.asarray(logprob_fn(params, jnp.asarray(arrays["tokens"][i:i + micro]),
-                                 jnp.asarray(arrays["valid"][i:i + micro])))
-           for i in range(0, len(arrays["tokens"]), micro)]
-    return np.concatenate(out)
 
 
 class Trainer:
@@ -119,7 +72,7 @@ class Trainer:
                            show=("sft_loss",)) as log:
             state, _ = run_sft(state, make_sft_step(s.model.module, opt), trajs, steps=cfg.sft.steps,
                                batch=cfg.sft.batch, pad_id=s.tokenizer.pad_token_id or 0, seed=cfg.seed,
-                               log=lambda step, loss: log.log(step, {"sft_loss": loss}))
+                               log=lambda step, loss: log.log(step, {"sft_loss": loss}), share=s.model.mesh is None)
         rl_opt = make_optimizer(cfg.rl.optim)
         s.state = init_state(state.params, rl_opt, s.model.mesh)
         if s.ref_params is not None:
@@ -191,18 +144,20 @@ class Trainer:
         if mesh is not None and micro % mesh.shape["fsdp"]:
             raise ValueError(f"rl.micro_batch={micro} trajectories cannot be split over mesh axis fsdp of size "
                              f"{mesh.shape['fsdp']}; use a multiple of {mesh.shape['fsdp']}")
+        share = mesh is None  # on a mesh each device keeps its own rows' prompts (batches.micro_batches)
         with timer("logprobs"):
             if cfg.rl.loss.kl_coef:
-                arrays["ref_logp"] = chunked_logprobs(s.logprob_fn, s.ref_params, arrays, micro)
+                arrays["ref_logp"] = chunked_logprobs(s.logprob_fn, s.ref_params, arrays, micro, share)
             if cfg.rl.recompute_old_logp:
-                arrays["old_logp"] = chunked_logprobs(s.logprob_fn, s.state.params, arrays, micro)
+                arrays["old_logp"] = chunked_logprobs(s.logprob_fn, s.state.params, arrays, micro, share)
         history = []
         rng = np.random.default_rng([cfg.seed, step])
         with timer("update"):
             for _ in range(cfg.rl.epochs):
                 order = rng.permutation(n)
                 for start in range(0, n, mini):
-                    s.state, m = s.train_step(s.state, micro_batches(arrays, order[start:start + mini], micro))
+                    s.state, m = s.train_step(s.state, micro_batches(arrays, order[start:start + mini], micro,
+                                                                             share))
                     history.append(m)
             jax.block_until_ready(s.state.params)
         return {k: float(np.mean([float(h[k]) for h in history])) for k in history[0]}
@@ -253,4 +208,4 @@ def train(cfg: TrainConfig) -> list[dict]:
     return Trainer(cfg).run()
 
 
-__all__ = ["Trainer", "train", "batch_arrays"]
+__all__ = ["Trainer", "train"]

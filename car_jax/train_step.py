@@ -1,9 +1,10 @@
 """The jitted optimizer step: `train_step(state, batch) -> (state, metrics)`.
 
-A batch is one GRPO mini-batch split into micro-batches, arrays [M, b, T] (M micro-
-batches of b sequences). Gradients of the micro-batches are summed in a `lax.scan`;
-the loss of each is normalised by the whole mini-batch's token / sequence counts
-(`grpo.Norm`), so the sum is exactly the mini-batch gradient. One optax update
+A batch is one GRPO mini-batch split into micro-batches (`batches.micro_batches`): M
+micro-batches of b response rows [M, b, R], each with its u distinct prompts [M, u, P]
+run once (`logprobs.response_logprobs`). Gradients of the micro-batches are summed in a
+`lax.scan`; the loss of each is normalised by the whole mini-batch's token / sequence
+counts (`grpo.Norm`), so the sum is exactly the mini-batch gradient. One optax update
 (AdamW, global-norm clipping, warmup then constant or cosine) follows.
 """
 from __future__ import annotations
@@ -19,13 +20,16 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from car_jax import grpo
-from car_jax.logprobs import token_logprobs
+from car_jax.logprobs import response_logprobs
 from car_jax.models.decoder import Decoder, cpu_layer_loop, stack_layers
 
 Batch = dict[str, jax.Array]
-# tokens int32[M, b, T], valid bool[M, b, T], mask float32[M, b, T], old_logp / ref_logp
-# float32[M, b, T], advantages float32[M, b]
-BATCH_KEYS = ("tokens", "valid", "mask", "old_logp", "ref_logp", "advantages")
+# prompt int32[M, u, P] (left-padded), prompt_valid bool[M, u, P], prompt_index int32[M, b]
+# (row -> its prompt; with u == b it must be arange(b): rows are then positional and
+# nothing is gathered), tokens int32[M, b, R] (responses, right-padded), valid bool[M, b, R],
+# mask float32[M, b, R], old_logp / ref_logp float32[M, b, R], advantages float32[M, b]
+BATCH_KEYS = ("prompt", "prompt_valid", "prompt_index", "tokens", "valid", "mask", "old_logp", "ref_logp",
+              "advantages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +89,16 @@ def state_shardings(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
+def micro_logprobs(module: Decoder, params, micro: Batch, temperature: float = 1.0, chunk: int = 128):
+    """(logp, entropy) float32[b, R] of one micro-batch's responses (see BATCH_KEYS)."""
+    positional = micro["prompt"].shape[0] == micro["tokens"].shape[0]
+    return response_logprobs(module, params, micro["prompt"], micro["prompt_valid"], micro["tokens"],
+                             micro["valid"], None if positional else micro["prompt_index"],
+                             temperature=temperature, chunk=chunk)
+
+
 def _micro_loss(params, module: Decoder, micro: Batch, cfg: grpo.LossConfig, norm: grpo.Norm):
-    logp, entropy = token_logprobs(module, params, micro["tokens"], micro["valid"], temperature=cfg.temperature)
+    logp, entropy = micro_logprobs(module, params, micro, cfg.temperature)
     return grpo.grpo_loss(logp, entropy, micro["old_logp"], micro["ref_logp"], micro["advantages"],
                           micro["mask"], cfg, norm)
 
@@ -144,25 +156,28 @@ def _build_step(module, optimizer, cfg, mesh, state_shardings):
 
 
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
-    """Micro-batch rows over fsdp: [M, b, T] -> P(None, 'fsdp', None)."""
-    rows3 = NamedSharding(mesh, P(None, "fsdp", None))
-    return {k: (NamedSharding(mesh, P(None, "fsdp")) if k == "advantages" else rows3) for k in BATCH_KEYS}
+    """Micro-batch rows over fsdp: [M, b, ...] -> P(None, 'fsdp', ...). On a mesh the
+    prompts are positional (u == b, `batches.micro_batches(share=False)`), so each device
+    holds its own rows' prompts and the forward gathers nothing across devices."""
+    rows2, rows3 = NamedSharding(mesh, P(None, "fsdp")), NamedSharding(mesh, P(None, "fsdp", None))
+    return {k: (rows2 if k in ("advantages", "prompt_index") else rows3) for k in BATCH_KEYS}
 
 
 @functools.lru_cache(maxsize=8)
 def make_logprob_fn(module: Decoder, temperature: float, chunk: int = 128):
-    """Jitted (params, tokens [N, T], valid [N, T]) -> logp float32[N, T] (reference and
-    old-policy log-probs, no gradient)."""
-    def fn(params, tokens, valid):
-        return token_logprobs(module, params, tokens, valid, temperature=temperature, chunk=chunk)[0]
+    """Jitted (params, micro-batch without the M axis) -> logp float32[b, R] (reference
+    and old-policy log-probs, no gradient)."""
+    def fn(params, micro):
+        return micro_logprobs(module, params, micro, temperature, chunk)[0]
     return jax.jit(fn)
 
 
 def make_sft_step(module: Decoder, optimizer: optax.GradientTransformation):
-    """Jitted supervised warm-start step: token-mean cross-entropy on the masked tokens
-    of batch arrays [M, b, T] (tokens, valid, mask), micro-batches summed exactly."""
+    """Jitted supervised warm-start step: token-mean cross-entropy on the masked response
+    tokens of a batch (prompt, prompt_valid, prompt_index, tokens, valid, mask; see
+    BATCH_KEYS), micro-batches summed exactly."""
     def loss_fn(params, micro, norm):
-        logp, _ = token_logprobs(module, params, micro["tokens"], micro["valid"])
+        logp, _ = micro_logprobs(module, params, micro)
         return -grpo.aggregate(logp, micro["mask"], "token-mean", norm)
 
     def step(state: TrainState, batch: Batch):

@@ -1,4 +1,5 @@
 """Incremental decode through the KV cache equals the full forward, with left padding."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -60,3 +61,35 @@ def test_overflow_is_refused(tmp_path):
     cache = model.init_cache(1, 4)
     with pytest.raises(ValueError, match="capacity 4"):
         model.forward(jnp.zeros((1, 5), jnp.int32), None, cache)
+
+
+def test_shared_prompt_prefill_equals_a_prefill_per_row(tmp_path):
+    """A GRPO batch repeats each prompt G times: prefill_shared runs the distinct ones and
+    copies their cache rows. Logits, keys, values, valid slots and positions equal a
+    prefill of every row, and decoding on from either cache gives the same tokens."""
+    from car_jax.rollout.decode import decode_segment, prefill, prefill_shared
+    from car_jax.rollout.generate import left_pad
+    from car_jax.rollout.sampling import Sampler
+    build("qwen2", tmp_path)
+    model = car_jax.load_model(tmp_path)
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(0, 96, size=n)) for n in (5, 9, 3)]
+    inverse = np.array([1, 0, 1, 2, 0, 1], np.int32)
+    rows = [prompts[i] for i in inverse]
+    tokens, valid = left_pad(rows, 16, 0)
+    want_logits, want = prefill(model.module, model.params, model.init_cache(6, 24), jnp.asarray(tokens),
+                                jnp.asarray(valid))
+    tokens_u, valid_u = left_pad(prompts, 16, 0)
+    got_logits, got = prefill_shared(model.module, model.params, model.init_cache(6, 24), jnp.asarray(tokens_u),
+                                     jnp.asarray(valid_u), jnp.asarray(inverse))
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5)
+    for a, b in zip(got.k + got.v, want.k + want.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.valid), np.asarray(want.valid))
+    np.testing.assert_array_equal(np.asarray(got.next_pos), [len(r) for r in rows])
+    assert int(got.index) == int(want.index) == 16
+    tables = jnp.zeros((1, 1, model.config.vocab_size), jnp.int32)  # one automaton that never fires
+    outs = [decode_segment(model.module, Sampler(), 8, model.params, c, lg, jnp.ones(6, bool),
+                           jnp.zeros((0,), jnp.int32), tables, jax.random.key(0))[0]
+            for c, lg in ((got, got_logits), (want, want_logits))]
+    np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))

@@ -55,8 +55,11 @@ def test_cache_on_a_mesh_is_split_and_decodes_the_same(folder):
     sharded = car_jax.load_model(folder, mesh=mesh, mode="sample")
     plain = car_jax.load_model(folder)
     cache = sharded.init_cache(8, 16)
-    assert all(k.sharding.spec == shd.spec_for(shd.DATA_AXES["cache_kv"], "sample") for k in cache.k)
-    assert cache.k[0].addressable_shards[0].data.shape == (2, 2, 16, 8)  # 8 rows / 4, 4 kv heads / 2
+    assert all(k.sharding.spec == shd.spec_for(shd.DATA_AXES["cache_k"], "sample") for k in cache.k)
+    assert all(v.sharding.spec == shd.spec_for(shd.DATA_AXES["cache_v"], "sample") for v in cache.v)
+    # 8 rows / 4, 4 kv heads / 2; keys [B, K, H, S], values [B, K, S, H]
+    assert cache.k[0].addressable_shards[0].data.shape == (2, 2, 8, 16)
+    assert cache.v[0].addressable_shards[0].data.shape == (2, 2, 16, 8)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(8, 5)), jnp.int32)
     got, cache = sharded.forward(tokens, None, cache)
     ref, _ = plain.forward(tokens, None, plain.init_cache(8, 16))

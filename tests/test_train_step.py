@@ -6,12 +6,13 @@ import pytest
 
 import car_jax
 from car_jax import grpo, sharding as shd
+from car_jax.batches import batch_arrays, chunked_logprobs, micro_batches
 from car_jax.logprobs import token_logprobs
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder, cpu_layer_loop, stack_layers, unstack_layers
-from car_jax.train_step import (BATCH_KEYS, OptimConfig, grads_and_metrics, init_state, make_optimizer,
-                                state_shardings,
-                                make_sft_step, make_train_step)
+from car_jax.rollout.episode import Trajectory
+from car_jax.train_step import (BATCH_KEYS, OptimConfig, grads_and_metrics, init_state, make_logprob_fn,
+                                make_optimizer, make_sft_step, make_train_step, micro_logprobs, state_shardings)
 
 CFG = ModelConfig("qwen2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   mlp_dim=64, qkv_bias=True)
@@ -24,39 +25,137 @@ def tiny():
     return module, params
 
 
-def make_batch(n=8, t=12, seed=0):
+def make_trajs(n=8, group=2, seed=0):
+    """n trajectories, `group` per prompt, with prompts of 2..5 tokens, responses of 1..8
+    tokens (some positions observations: loss mask 0) and random sampler log-probs."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(6, t + 1, size=n)
-    valid = np.arange(t)[None] < lengths[:, None]
-    mask = valid & (np.arange(t)[None] >= 4) & (rng.uniform(size=(n, t)) < 0.85)
-    return {
-        "tokens": jnp.asarray(np.where(valid, rng.integers(0, 64, size=(n, t)), 0), jnp.int32),
-        "valid": jnp.asarray(valid),
-        "mask": jnp.asarray(mask, jnp.float32),
-        "old_logp": jnp.asarray(rng.normal(-4, 0.2, size=(n, t)), jnp.float32),
-        "ref_logp": jnp.asarray(rng.normal(-4, 0.2, size=(n, t)), jnp.float32),
-        "advantages": jnp.asarray(rng.normal(size=n), jnp.float32),
-    }
+    prompts = [list(rng.integers(1, 64, size=rng.integers(2, 6))) for _ in range(n // group)]
+    trajs = []
+    for i in range(n):
+        r = int(rng.integers(1, 9))
+        trajs.append(Trajectory([int(x) for x in prompts[i // group]], [int(x) for x in rng.integers(0, 64, size=r)],
+                                list(rng.normal(-4, 0.2, size=r)), [int(m) for m in rng.uniform(size=r) < 0.85]))
+    return trajs
 
 
-def split(batch, micro):
-    return {k: v.reshape(micro, -1, *v.shape[1:]) for k, v in batch.items()}
+def make_arrays(n=8, group=2, seed=0):
+    rng = np.random.default_rng(seed + 1)
+    arrays = batch_arrays(make_trajs(n, group, seed), rng.normal(size=n), 0, np.ones(n, bool))
+    arrays["ref_logp"] = np.where(arrays["valid"], rng.normal(-4, 0.2, size=arrays["valid"].shape), 0).astype(np.float32)
+    return arrays
+
+
+def make_batch(n=8, micro=None, group=2, seed=0, share=True):
+    """A train-step batch of n rows in micro-batches of `micro` rows (default: one)."""
+    return micro_batches(make_arrays(n, group, seed), np.arange(n), micro or n, share)
+
+
+def full_sequences(trajs):
+    """tokens / valid [N, T] of prompt + response, right-padded (the plain layout)."""
+    t = max(len(x.prompt_ids) + len(x.response_ids) for x in trajs)
+    tokens, valid = np.zeros((len(trajs), t), np.int32), np.zeros((len(trajs), t), bool)
+    for i, x in enumerate(trajs):
+        seq = x.prompt_ids + x.response_ids
+        tokens[i, :len(seq)], valid[i, :len(seq)] = seq, True
+    return jnp.asarray(tokens), jnp.asarray(valid)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 5, 128])
 def test_chunked_logprobs_equal_full_logits(tiny, chunk):
     module, params = tiny
-    batch = make_batch()
+    tokens, valid = full_sequences(make_trajs())
     fn = jax.jit(token_logprobs, static_argnums=0, static_argnames=("temperature", "chunk"))
-    logp, ent = fn(module, params, batch["tokens"], batch["valid"], temperature=0.7, chunk=chunk)
-    logits, _ = module.apply({"params": params}, batch["tokens"], batch["valid"])
+    logp, ent = fn(module, params, tokens, valid, temperature=0.7, chunk=chunk)
+    logits, _ = module.apply({"params": params}, tokens, valid)
     full = jax.nn.log_softmax(np.asarray(logits) / 0.7, axis=-1)
-    tok = np.asarray(batch["tokens"])
+    tok = np.asarray(tokens)
     ref = np.take_along_axis(np.asarray(full)[:, :-1], tok[:, 1:, None], axis=-1)[..., 0]
     np.testing.assert_allclose(np.asarray(logp)[:, 1:], ref, atol=1e-5)
     ref_ent = -(np.exp(full) * full).sum(-1)[:, :-1]
     np.testing.assert_allclose(np.asarray(ent)[:, 1:], ref_ent, atol=1e-4)
     assert (np.asarray(logp)[:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_response_logprobs_equal_the_full_sequence_forward(tiny, shared):
+    """Prompts run once and responses attend to their keys (shared: 4 prompts for 8
+    rows, gathered by index; positional: a copy per row) give the log-probs, entropies
+    and gradients of the plain forward over each concatenated sequence, read from the
+    full logits at the response positions."""
+    module, params = tiny
+    trajs = make_trajs()
+    arrays = batch_arrays(trajs, np.zeros(8), 0, np.ones(8, bool))
+    batch = micro_batches(arrays, np.arange(8), 8, share=shared)
+    batch = {k: v[0] for k, v in batch.items()}
+    assert batch["prompt"].shape[0] == (4 if shared else 8)
+    tokens, valid = full_sequences(trajs)
+    w = jnp.asarray(np.random.default_rng(5).normal(size=batch["tokens"].shape), jnp.float32) * batch["valid"]
+
+    def ours(p):
+        logp, ent = micro_logprobs(module, p, batch, temperature=0.7, chunk=3)
+        return (w * logp).sum() + 0.5 * (w * ent).sum(), (logp, ent)
+
+    def plain(p):  # the full logits of the plain forward, no chunking, no custom gradient
+        logits, _ = module.apply({"params": p}, tokens, valid)
+        full = jax.nn.log_softmax(logits / 0.7, axis=-1)[:, :-1]  # position t predicts t + 1
+        logp = jnp.take_along_axis(full, tokens[:, 1:, None], axis=-1)[..., 0]
+        ent = -(jnp.exp(full) * full).sum(-1)
+        # response token r of row i sits at position len(prompt_i) + r
+        starts = np.array([len(t.prompt_ids) for t in trajs])
+        cols = starts[:, None] - 1 + np.arange(w.shape[1])[None]
+        cols = np.minimum(cols, logp.shape[1] - 1)
+        logp, ent = jnp.take_along_axis(logp, cols, 1) * batch["valid"], jnp.take_along_axis(ent, cols, 1) * batch["valid"]
+        return (w * logp).sum() + 0.5 * (w * ent).sum(), (logp, ent)
+
+    (l1, (lp1, e1)), g1 = jax.jit(jax.value_and_grad(ours, has_aux=True))(params)
+    (l2, (lp2, e2)), g2 = jax.jit(jax.value_and_grad(plain, has_aux=True))(params)
+    v = np.asarray(batch["valid"])
+    np.testing.assert_allclose(np.asarray(lp1)[v], np.asarray(lp2)[v], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(e1)[v], np.asarray(e2)[v], atol=1e-5)
+    assert abs(float(l1) - float(l2)) <= 1e-4
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g1)) > 1e-3
+
+
+def test_micro_batches_layout():
+    """Each row reads its own trajectory's prompt; shared micro-batches hold each prompt
+    once; a mini-batch's rows are all there once; spare prompt slots are all padding."""
+    trajs = make_trajs(n=12, group=3)
+    arrays = batch_arrays(trajs, np.zeros(12), 0, np.ones(12, bool))
+    rows = np.random.default_rng(0).permutation(12)
+    for share, micro in [(True, 4), (True, 6), (True, 2), (False, 4)]:
+        b = jax.tree.map(np.asarray, micro_batches(arrays, rows, micro, share))
+        m = len(b["tokens"])
+        seen = []
+        for i in range(m):
+            for j in range(micro):
+                p = b["prompt"][i, b["prompt_index"][i, j]][b["prompt_valid"][i, b["prompt_index"][i, j]]]
+                r = b["tokens"][i, j][b["valid"][i, j]]
+                match = [k for k, t in enumerate(trajs) if t.prompt_ids == list(p) and t.response_ids == list(r)]
+                assert match, (share, micro, i, j)
+                seen.append(match[0])
+            if not share or b["prompt"].shape[1] == micro:
+                np.testing.assert_array_equal(b["prompt_index"][i], np.arange(micro))
+            else:
+                used = set(b["prompt_index"][i])
+                assert len(used) == len({tuple(b["prompt"][i, k]) for k in used})  # each prompt once
+                assert not b["prompt_valid"][i, sorted(set(range(b["prompt"].shape[1])) - used)].any()
+        assert sorted(seen) == list(range(12))
+    # 3 rows per prompt in micro-batches of 6 rows: 2 prompts each
+    assert micro_batches(arrays, rows, 6)["prompt"].shape[1] == 2
+
+
+def test_chunked_logprobs_keep_the_row_order(tiny):
+    module, params = tiny
+    trajs = make_trajs()
+    arrays = batch_arrays(trajs, np.zeros(8), 0, np.ones(8, bool))
+    got = chunked_logprobs(make_logprob_fn(module, 1.0), params, arrays, 2)
+    tokens, valid = full_sequences(trajs)
+    want = np.asarray(token_logprobs(module, params, tokens, valid)[0])
+    for i, t in enumerate(trajs):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        np.testing.assert_allclose(got[i, :r], want[i, p:p + r], atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -97,10 +196,9 @@ def test_head_gradient_equals_autodiff_of_log_softmax(dtype):
 def test_micro_batch_accumulation_is_exact(tiny, agg):
     module, params = tiny
     cfg = grpo.LossConfig(agg=agg, kl_coef=0.01, entropy_coef=0.01, dual_clip=3.0)
-    batch = make_batch()
     fn = jax.jit(grads_and_metrics, static_argnums=(0, 1))
-    g1, m1, l1 = fn(module, cfg, params, split(batch, 1))
-    g4, m4, l4 = fn(module, cfg, params, split(batch, 4))
+    g1, m1, l1 = fn(module, cfg, params, make_batch(micro=8))
+    g4, m4, l4 = fn(module, cfg, params, make_batch(micro=2))
     diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), g1, g4)
     assert max(jax.tree.leaves(diff)) <= 1e-5
     assert abs(float(l1) - float(l4)) <= 1e-6
@@ -114,17 +212,16 @@ def test_sharded_step_equals_unsharded(tiny):
     module, params = tiny
     cfg = grpo.LossConfig(kl_coef=0.001)
     opt = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=2, total_steps=10))
-    batch = split(make_batch(n=8), 2)
 
-    plain = make_train_step(module, opt, cfg)
-    s1, m1 = plain(init_state(jax.tree.map(jnp.copy, params), opt), batch)  # the step donates its state
+    plain = make_train_step(module, opt, cfg)  # one device: 2 micro-batches of 4 rows sharing 2 prompts
+    s1, m1 = plain(init_state(jax.tree.map(jnp.copy, params), opt), make_batch(micro=4))  # donates its state
 
     mesh = car_jax.make_mesh(fsdp=4, tp=2)
     sharded_params = shd.shard_params(jax.tree.map(jnp.copy, params), mesh, "train")
     state = init_state(sharded_params, opt, mesh)
     state_sh = state_shardings(state)
     step = make_train_step(module, opt, cfg, mesh, state_sh)
-    s2, m2 = step(state, batch)
+    s2, m2 = step(state, make_batch(micro=4, share=False))  # a prompt per row, rows over fsdp
     for path, x in shd.flatten_params(s2.params).items():
         assert x.sharding.is_equivalent_to(shd.param_sharding(path, x.shape, mesh), x.ndim)
     # compared on the host: s1 lives on one device, s2 on the mesh
@@ -138,8 +235,7 @@ def test_sharded_step_equals_unsharded(tiny):
 def test_sft_step_lowers_the_loss(tiny):
     module, params = tiny
     opt = make_optimizer(OptimConfig(lr=3e-3, total_steps=20))
-    batch = make_batch(n=4)
-    data = split({k: batch[k] for k in ("tokens", "valid", "mask")}, 2)
+    data = make_batch(n=4, micro=2)
     step = make_sft_step(module, opt)
     state = init_state(jax.tree.map(jnp.copy, params), opt)
     losses = []
@@ -151,12 +247,13 @@ def test_sft_step_lowers_the_loss(tiny):
 
 def test_batch_keys_cover_the_loss(tiny):
     assert set(make_batch()) == set(BATCH_KEYS)
+    assert set(make_batch(share=False)) == set(BATCH_KEYS)
 
 
 def test_remat_gives_the_same_gradients(tiny):
     module, params = tiny
     cfg = grpo.LossConfig(kl_coef=0.0)
-    batch = split(make_batch(n=4), 1)
+    batch = make_batch(n=4)
     fn = jax.jit(grads_and_metrics, static_argnums=(0, 1))
     g_plain, _, loss_plain = fn(module, cfg, params, batch)
     g_remat, _, loss_remat = fn(module.clone(remat=True), cfg, params, batch)
@@ -174,7 +271,7 @@ def test_init_state_is_committed_like_a_stepped_state(tiny):
     params = jax.device_put(jax.tree.map(jnp.copy, params), jax.devices()[0])  # committed, as load_model's
     state = init_state(params, opt)
     before = jax.tree.map(lambda x: (x.sharding, x.committed), state)
-    state, _ = step(state, split(make_batch(n=4), 2))
+    state, _ = step(state, make_batch(n=4, micro=2))
     assert jax.tree.map(lambda x: (x.sharding, x.committed), state) == before
 
 
@@ -186,10 +283,10 @@ def test_layer_loop_equals_the_scan(tiny, dtype, remat):
     import dataclasses
     module, params = tiny
     module = dataclasses.replace(module, dtype=jnp.dtype(dtype), remat=remat)
-    batch = make_batch(n=4)
+    batch = {k: v[0] for k, v in make_batch(n=4).items()}
 
     def loss(p):
-        logp, ent = token_logprobs(module, p, batch["tokens"], batch["valid"])
+        logp, ent = micro_logprobs(module, p, batch)
         return (logp * batch["mask"]).sum() + 0.1 * (ent * batch["mask"]).sum()
 
     l_scan, g_scan = jax.jit(jax.value_and_grad(loss))(params)

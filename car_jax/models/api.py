@@ -65,7 +65,7 @@ class Model:
         if self.mesh is None:
             return cache
         put = lambda x, name: jax.device_put(x, shd.data_sharding(name, x.shape, self.mesh, "sample"))  # noqa: E731
-        return KVCache(k=tuple(put(k, "cache_kv") for k in cache.k), v=tuple(put(v, "cache_kv") for v in cache.v),
+        return KVCache(k=tuple(put(k, "cache_k") for k in cache.k), v=tuple(put(v, "cache_v") for v in cache.v),
                        valid=put(cache.valid, "cache_rows"), next_pos=put(cache.next_pos, "rows"), index=cache.index)
 
 

@@ -7,9 +7,12 @@ pad, or the tail of a row whose observation is shorter than the chunk) is marked
 and is never attended to; RoPE positions count only valid tokens, per row, so holes in
 the cache do not shift the positions the model sees.
 
-Layout: one [B, K, S, H] array per layer (not one stacked [L, ...] array), with the kv
-heads before the slots, so a decode step reads each layer's keys and values in place: no
-slice of a stack and no transpose is copied per step.
+Layout: one array per layer (not one stacked [L, ...] array), kv heads before slots, so a
+decode step reads each layer's keys and values in place: no slice of a stack and no
+transpose is copied per step. Keys are stored [B, K, H, S] and values [B, K, S, H]: both
+attention products are then plain (non-transposed) batched matmuls, q [M, H] @ k [H, S]
+and p [M, S] @ v [S, H]. XLA:CPU runs q @ k.T over a [S, H] key block at a third of the
+speed (SmolLM2-135M, batch 32, 176 slots: 0.40 ms against 0.13 ms per layer and step).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from car_jax.models.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    k: tuple[jax.Array, ...]  # L arrays [B, K, S, H], one per layer
+    k: tuple[jax.Array, ...]  # L arrays [B, K, H, S], one per layer (keys transposed)
     v: tuple[jax.Array, ...]  # L arrays [B, K, S, H]
     valid: jax.Array  # bool[B, S]  slot holds a real token
     next_pos: jax.Array  # int32[B]  RoPE position of each row's next real token
@@ -30,7 +33,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:  # S
-        return self.k[0].shape[2]
+        return self.v[0].shape[2]
 
     @property
     def batch_size(self) -> int:  # B
@@ -39,10 +42,11 @@ class KVCache:
 
 def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32) -> KVCache:
     """An empty cache for `batch_size` rows and `capacity` slots (S)."""
-    shape = (batch_size, cfg.n_kv_heads, capacity, cfg.head_dim)
+    k_shape = (batch_size, cfg.n_kv_heads, cfg.head_dim, capacity)
+    v_shape = (batch_size, cfg.n_kv_heads, capacity, cfg.head_dim)
     return KVCache(
-        k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
+        k=tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.n_layers)),
+        v=tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.n_layers)),
         valid=jnp.zeros((batch_size, capacity), bool),
         next_pos=jnp.zeros((batch_size,), jnp.int32),
         index=jnp.zeros((), jnp.int32),

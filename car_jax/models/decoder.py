@@ -110,9 +110,9 @@ class Attention(nn.Module):
     def __call__(self, x, positions, mask, cache_kv, index):
         """x [B, T, D]; positions int32[B, T]; mask bool[B, T, S'] (which keys each query
         sees). Without a cache (cache_kv None) the keys are this chunk's own (S' = T).
-        With one, cache_kv is this layer's (k, v) [B, K, S, H]: the chunk's keys and
-        values are first written at slots [index, index + T), then every query attends
-        over all S slots (S' = S), reading the cache in place.
+        With one, cache_kv is this layer's (keys [B, K, H, S], values [B, K, S, H]): the
+        chunk's keys and values are first written at slots [index, index + T), then every
+        query attends over all S slots (S' = S), reading the cache in place.
         Returns (y [B, T, D], the updated (k, v) or None)."""
         c = self.cfg
         n, k_heads, h, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
@@ -144,14 +144,16 @@ class Attention(nn.Module):
             probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, neg), axis=-1).astype(self.dtype)
             return project(jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)), None
         # write first, then read the whole cache: the buffers are updated in place
-        at = (0, 0, index, 0)
-        keys = jax.lax.dynamic_update_slice(cache_kv[0], k.swapaxes(1, 2).astype(cache_kv[0].dtype), at)
-        values = jax.lax.dynamic_update_slice(cache_kv[1], v.swapaxes(1, 2).astype(cache_kv[1].dtype), at)
+        keys = jax.lax.dynamic_update_slice(cache_kv[0], k.transpose(0, 2, 3, 1).astype(cache_kv[0].dtype),
+                                            (0, 0, 0, index))  # [B, K, H, S]
+        values = jax.lax.dynamic_update_slice(cache_kv[1], v.swapaxes(1, 2).astype(cache_kv[1].dtype),
+                                              (0, 0, index, 0))  # [B, K, S, H]
         # queries as [B, K, T*G, H], so both products are plain batched matmuls over the
-        # cache's [S, H] (for a decode step, T = 1, the transposes are free)
-        g, s = c.n_groups, keys.shape[2]
+        # cache: [M, H] @ [H, S] and [M, S] @ [S, H] (for a decode step, T = 1, the
+        # transposes of q and of the output are free)
+        g, s = c.n_groups, values.shape[2]
         qm = q.transpose(0, 2, 1, 3, 4).reshape(b, k_heads, t * g, h)
-        scores = jnp.einsum("BKMH,BKSH->BKMS", qm, keys.astype(self.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.einsum("BKMH,BKHS->BKMS", qm, keys.astype(self.dtype), preferred_element_type=jnp.float32)
         scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, k_heads, t, g, s), neg)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype).reshape(b, k_heads, t * g, s)
         out = jnp.einsum("BKMS,BKSH->BKMH", probs, values.astype(self.dtype))

@@ -42,8 +42,7 @@ class _Loop(NamedTuple):
     key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def prefill(module: Decoder, params, cache: KVCache, tokens, valid):
+def _prefill(module: Decoder, params, cache: KVCache, tokens, valid):
     """Writes tokens int32[B, T] (valid bool[B, T]) into the cache; returns
     (logits float32[B, V] at each row's last valid token, cache)."""
     hidden, cache = module.apply({"params": params}, tokens, valid, cache, return_hidden=True)
@@ -52,6 +51,29 @@ def prefill(module: Decoder, params, cache: KVCache, tokens, valid):
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = module.apply({"params": params}, h_last, method=Decoder.unembed)
     return logits, cache
+
+
+prefill = jax.jit(_prefill, static_argnums=(0,), donate_argnums=(2,))
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def prefill_shared(module: Decoder, params, cache: KVCache, tokens, valid, inverse):
+    """`prefill` of an empty cache of B rows whose prompts repeat: the U distinct ones,
+    tokens int32[U, W] (valid bool[U, W]), run once, and row b gets a copy of prompt
+    inverse[b]'s keys, values and next-token logits (int32[B] into U). Returns
+    (logits float32[B, V], cache with W slots written)."""
+    u, w = tokens.shape
+    c = module.cfg
+    small = KVCache(k=tuple(jnp.zeros((u, c.n_kv_heads, c.head_dim, w), k.dtype) for k in cache.k),
+                    v=tuple(jnp.zeros((u, c.n_kv_heads, w, c.head_dim), v.dtype) for v in cache.v),
+                    valid=jnp.zeros((u, w), bool), next_pos=jnp.zeros((u,), jnp.int32), index=jnp.zeros((), jnp.int32))
+    logits, small = _prefill(module, params, small, tokens, valid)
+    put = jax.lax.dynamic_update_slice
+    return logits[inverse], KVCache(
+        k=tuple(put(big, k[inverse], (0, 0, 0, 0)) for big, k in zip(cache.k, small.k)),
+        v=tuple(put(big, v[inverse], (0, 0, 0, 0)) for big, v in zip(cache.v, small.v)),
+        valid=put(cache.valid, small.valid[inverse], (0, 0)), next_pos=small.next_pos[inverse],
+        index=jnp.asarray(w, jnp.int32))
 
 
 def loop_params(module: Decoder, params):

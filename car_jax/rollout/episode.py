@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax.rollout.decode import decode_segment, prefill
-from car_jax.rollout.generate import eos_ids, left_pad, prompt_texts, round_up
+from car_jax.rollout.generate import eos_ids, left_pad, prefill_prompts, prompt_texts, round_up
 from car_jax.rollout.protocols import ANSWER, INVALID, VOID, Action, SearchR1
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import stop_tables
@@ -104,18 +104,15 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
     b = len(trajs)
     pad = tokenizer.pad_token_id or 0
     chunk_width = round_up(1 + config.max_obs_tokens)
-    width = round_up(max(len(p) for p in prompt_ids))
-    capacity = width + (config.max_turns + 1) * config.max_response_tokens + config.max_turns * chunk_width
+    after_prompt = (config.max_turns + 1) * config.max_response_tokens + config.max_turns * chunk_width
     eos = jnp.asarray(eos_ids(model, tokenizer))
     tables = jnp.asarray(stop_tables(tokenizer, protocol.stops))
     final_tables = jnp.asarray(stop_tables(tokenizer, protocol.final_stops))
     key = jax.random.key(seed)
 
     t0 = time.perf_counter()
-    tokens, valid = left_pad(prompt_ids, width, pad)
-    cache = model.init_cache(b, capacity)
-    logits, cache = prefill(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid))
-    stats.prefilled_tokens += int(valid.sum())
+    logits, cache, n_prefilled = prefill_prompts(model, prompt_ids, after_prompt, pad)  # a group's prompt runs once
+    stats.prefilled_tokens += n_prefilled
     active = np.ones(b, bool)
     for turn in range(config.max_turns + 1):
         final = turn == config.max_turns

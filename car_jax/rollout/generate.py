@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from car_jax.rollout.decode import SegmentOut, decode_segment, prefill
+from car_jax.rollout.decode import SegmentOut, decode_segment, prefill, prefill_shared
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import stop_tables
 
@@ -56,6 +56,26 @@ def eos_ids(model, tokenizer) -> np.ndarray:
     return np.array(sorted(ids), np.int32)
 
 
+def prefill_prompts(model, prompt_ids: Sequence[Sequence[int]], extra: int, pad_id: int):
+    """Left-pads the prompts to one width W (a multiple of BUCKET), allocates a cache of
+    W + extra slots and prefills it. On one device each distinct prompt runs once (the G
+    copies of a GRPO group share a forward) and its rows get copies of its cache; on a
+    mesh, where rows are split over devices, every row runs. Returns (logits float32[B, V],
+    cache, prefilled tokens)."""
+    width = round_up(max(len(p) for p in prompt_ids))
+    cache = model.init_cache(len(prompt_ids), width + extra)
+    ids: dict[tuple[int, ...], int] = {}
+    inverse = np.array([ids.setdefault(tuple(p), len(ids)) for p in prompt_ids], np.int32)
+    if model.mesh is None and len(ids) < len(prompt_ids):
+        tokens, valid = left_pad(list(ids), width, pad_id)
+        logits, cache = prefill_shared(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid),
+                                       jnp.asarray(inverse))
+    else:
+        tokens, valid = left_pad(prompt_ids, width, pad_id)
+        logits, cache = prefill(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid))
+    return logits, cache, int(valid.sum())
+
+
 def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
                  sampler: Sampler = Sampler(), stop: Sequence = (), seed: int = 0,
                  eos: np.ndarray | None = None) -> SegmentOut:
@@ -63,13 +83,10 @@ def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_n
     (sampled ids, recorded log-probs, lengths, stop flags) as numpy arrays."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    width = round_up(max(len(p) for p in prompt_ids))
-    tokens, valid = left_pad(prompt_ids, width, tokenizer.pad_token_id or 0)
-    cache = model.init_cache(len(prompt_ids), width + max_new_tokens)
-    logits, cache = prefill(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid))
+    logits, cache, _ = prefill_prompts(model, prompt_ids, max_new_tokens, tokenizer.pad_token_id or 0)
     tables = jnp.asarray(stop_tables(tokenizer, stop))
     eos = eos_ids(model, tokenizer) if eos is None else eos
-    active = jnp.asarray(valid.any(axis=1))
+    active = jnp.asarray([len(p) > 0 for p in prompt_ids])
     out, _ = decode_segment(model.module, sampler, max_new_tokens, model.params, cache, logits,
                             active, jnp.asarray(eos), tables, jax.random.key(seed))
     return SegmentOut(*(np.asarray(x) for x in out))

@@ -1,0 +1,76 @@
+"""The training forward over prompt + response, each distinct prompt computed once.
+
+A GRPO batch holds G responses per prompt. The plain forward over full sequences runs
+every row's copy of the prompt through every layer again; here the distinct prompts
+[U, P] run once, and each response row [B, R] attends to its prompt's keys and values
+(gathered by `prompt_index`) and then causally to itself, as a decode step attends to
+a KV cache. Autodiff sums the gradients of a shared prompt over the rows that read it,
+so the hidden states, the loss and its gradient equal the plain forward's (up to float
+rounding). Only response positions come out: no vocabulary projection is ever spent on
+a prompt token.
+
+Letters: U prompts, P prompt length, B rows, R response length (see models.config).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from car_jax.models.decoder import Block, Decoder, rms_norm
+
+
+def _causal(valid: jax.Array) -> jax.Array:
+    """bool[N, T, T]: query t sees valid keys s <= t, and always itself."""
+    t = valid.shape[1]
+    slot = jnp.arange(t)
+    return ((slot[None, :] <= slot[:, None])[None] & valid[:, None, :]) | jnp.eye(t, dtype=bool)[None]
+
+
+def prompt_response_hidden(module: Decoder, params, prompt: jax.Array, prompt_valid: jax.Array,
+                           tokens: jax.Array, valid: jax.Array, prompt_index: jax.Array | None = None):
+    """prompt int32[U, P], left-padded (prompt_valid bool[U, P]); tokens int32[B, R], the
+    responses, right-padded (valid bool[B, R]); row b continues prompt prompt_index[b]
+    (int32[B]; None: U == B and row b continues prompt b, no gather at all).
+
+    Returns (last [B, D], hidden [B, R, D]), final-normed in the compute dtype: the hidden
+    state at each row's last prompt token (it predicts the first response token) and at
+    each response token. params' layers may be stacked (a `lax.scan`) or split by
+    `unstack_layers` (a Python loop); `module.remat` recomputes each layer backward."""
+    c, dt = module.cfg, module.dtype
+    u, p_len = prompt.shape
+    b, r = tokens.shape
+    if prompt_index is None and u != b:
+        raise ValueError(f"{u} prompts for {b} rows: pass prompt_index (which prompt each row continues)")
+    take = (lambda a: a) if prompt_index is None else (lambda a: a[prompt_index])  # [U, ...] -> [B, ...]
+    prompt_valid, valid = prompt_valid.astype(bool), valid.astype(bool)
+    embed = params["embed"].astype(dt)
+    xp, xr = embed[prompt], embed[tokens]  # [U, P, D], [B, R, D]
+    # RoPE positions count valid tokens only; a response continues after its prompt's
+    pos_p = jnp.maximum(jnp.cumsum(prompt_valid, axis=1) - 1, 0)
+    pos_r = take(prompt_valid.sum(axis=1))[:, None] + jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+    mask_p = _causal(prompt_valid)  # [U, P, P]
+    mask_r = jnp.concatenate([jnp.broadcast_to(take(prompt_valid)[:, None, :], (b, r, p_len)),
+                              _causal(valid)], axis=-1)  # [B, R, P + R]: the prompt, then causal
+    block = Block(c, dt, module.param_dtype, parent=None)
+    k_heads, h = c.n_kv_heads, c.head_dim
+    empty = (jnp.zeros((u, k_heads, h, p_len), dt), jnp.zeros((u, k_heads, p_len, h), dt))
+
+    def layer(p, xp, xr):
+        # the prompts write their keys / values into an empty cache of P slots; each row
+        # reads its prompt's, with R more slots where it writes its own
+        yp, (kp, vp) = block.apply({"params": p}, xp, pos_p, mask_p, empty, 0)
+        kv = (jnp.pad(take(kp), ((0, 0), (0, 0), (0, 0), (0, r))),  # [B, K, H, P + R]
+              jnp.pad(take(vp), ((0, 0), (0, 0), (0, r), (0, 0))))  # [B, K, P + R, H]
+        yr, _ = block.apply({"params": p}, xr, pos_r, mask_r, kv, p_len)
+        return yp, yr
+
+    if module.remat:
+        layer = jax.checkpoint(layer)
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):  # split by the caller: a Python loop
+        for p in layers:
+            xp, xr = layer(p, xp, xr)
+    else:
+        (xp, xr), _ = jax.lax.scan(lambda carry, p: (layer(p, *carry), None), (xp, xr), layers)
+    last = rms_norm(take(xp[:, -1]), params["final_norm"], c.norm_eps, dt)  # left-padded: slot P-1
+    return last, rms_norm(xr, params["final_norm"], c.norm_eps, dt)

@@ -16,7 +16,7 @@ from car_jax import sharding as shd
 from car_jax.checkpoints.gguf_io import GGUFFile, gguf_tokenizer
 from car_jax.checkpoints.loader import load_params, save_hf_folder
 from car_jax.checkpoints.safetensors_io import CheckpointError, SafetensorsFolder
-from car_jax.models.cache import KVCache, init_cache
+from car_jax.models.cache import KVCache, cache_dtype, init_cache
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
 
@@ -61,7 +61,7 @@ class Model:
     def init_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty cache; on a mesh, rows are split over fsdp and kv heads over tp
         (the sampling table), so no device holds the whole cache."""
-        cache = init_cache(self.config, batch_size, capacity, self.module.dtype)
+        cache = init_cache(self.config, batch_size, capacity, cache_dtype(self.module.dtype))
         if self.mesh is None:
             return cache
         put = lambda x, name: jax.device_put(x, shd.data_sharding(name, x.shape, self.mesh, "sample"))  # noqa: E731

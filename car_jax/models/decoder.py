@@ -150,13 +150,14 @@ class Attention(nn.Module):
                                               (0, 0, index, 0))  # [B, K, S, H]
         # queries as [B, K, T*G, H], so both products are plain batched matmuls over the
         # cache: [M, H] @ [H, S] and [M, S] @ [S, H] (for a decode step, T = 1, the
-        # transposes of q and of the output are free)
-        g, s = c.n_groups, values.shape[2]
-        qm = q.transpose(0, 2, 1, 3, 4).reshape(b, k_heads, t * g, h)
-        scores = jnp.einsum("BKMH,BKHS->BKMS", qm, keys.astype(self.dtype), preferred_element_type=jnp.float32)
+        # transposes of q and of the output are free). They run in the cache's dtype
+        # (`cache.cache_dtype`: float32 on CPU), reading it as it is stored.
+        g, s, cd = c.n_groups, values.shape[2], keys.dtype
+        qm = q.transpose(0, 2, 1, 3, 4).reshape(b, k_heads, t * g, h).astype(cd)
+        scores = jnp.einsum("BKMH,BKHS->BKMS", qm, keys, preferred_element_type=jnp.float32)
         scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, k_heads, t, g, s), neg)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype).reshape(b, k_heads, t * g, s)
-        out = jnp.einsum("BKMS,BKSH->BKMH", probs, values.astype(self.dtype))
+        probs = jax.nn.softmax(scores, axis=-1).astype(cd).reshape(b, k_heads, t * g, s)
+        out = jnp.einsum("BKMS,BKSH->BKMH", probs, values).astype(self.dtype)
         return project(out.reshape(b, k_heads, t, g, h).transpose(0, 2, 1, 3, 4)), (keys, values)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from car_jax.models.cache import cache_dtype
 from car_jax.models.decoder import Block, Decoder, rms_norm
 
 
@@ -53,7 +54,8 @@ def prompt_response_hidden(module: Decoder, params, prompt: jax.Array, prompt_va
                               _causal(valid)], axis=-1)  # [B, R, P + R]: the prompt, then causal
     block = Block(c, dt, module.param_dtype, parent=None)
     k_heads, h = c.n_kv_heads, c.head_dim
-    empty = (jnp.zeros((u, k_heads, h, p_len), dt), jnp.zeros((u, k_heads, p_len, h), dt))
+    cd = cache_dtype(dt)
+    empty = (jnp.zeros((u, k_heads, h, p_len), cd), jnp.zeros((u, k_heads, p_len, h), cd))
 
     def layer(p, xp, xr):
         # the prompts write their keys / values into an empty cache of P slots; each row

@@ -330,5 +330,13 @@ class Decoder(nn.Module):
 
     def unembed(self, x):
         """hidden [..., D] -> float32 logits [..., V]."""
+        rows = int(np.prod(x.shape[:-1]))
+        if self.cfg.tie_embeddings and rows <= 128 and jax.default_backend() == "cpu":
+            # a decode step's few rows: XLA:CPU runs x @ E.T over the [V, D] embedding at
+            # two thirds of the speed of E @ x.T (SmolLM2, 32 rows: 17 ms against 11 ms).
+            # The barrier keeps XLA from folding the transpose back into the dot.
+            e = self.embed.astype(self.dtype)
+            out = jnp.dot(e, x.reshape(rows, -1).astype(self.dtype).T, preferred_element_type=jnp.float32)  # [V, N]
+            return jax.lax.optimization_barrier(out).T.reshape(*x.shape[:-1], -1)
         w = self.embed.T if self.cfg.tie_embeddings else self.lm_head  # [D, V]
         return jnp.einsum("...D,DV->...V", x, w.astype(self.dtype), preferred_element_type=jnp.float32)

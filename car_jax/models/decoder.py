@@ -16,6 +16,7 @@ Letters: see `car_jax.models.config`.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
@@ -25,6 +26,7 @@ import numpy as np
 
 from car_jax.models.cache import KVCache
 from car_jax.models.config import ModelConfig
+from car_jax.models.fused import softmax, swiglu
 
 Dtype = Any
 _init = nn.initializers.normal(0.02)
@@ -37,14 +39,21 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Dtype) -> jax.Ar
     return scale.astype(dtype) * y.astype(dtype)
 
 
-@jax.custom_vjp
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [N, I] @ w [I, O] (same dtype) -> float32 [N, O], accumulated in float32."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
+    """x [N, prod(In)] @ w [*In, *Out] (same dtype; the first n_in axes of w contracted)
+    -> float32 [N, prod(Out)], accumulated in float32. w is reshaped to 2D inside, so the
+    backward pass keeps w itself (in a layer scan: a slice of the stacked weights, which
+    needs no stack of its own) rather than a reshaped copy of it."""
+    return jnp.dot(x, _as_2d(w, n_in), preferred_element_type=jnp.float32)
 
 
-def _matmul_fwd(x, w):
-    return _matmul(x, w), (x, w)
+def _as_2d(w: jax.Array, n_in: int) -> jax.Array:
+    return w.reshape(int(np.prod(w.shape[:n_in])), -1)
+
+
+def _matmul_fwd(x, w, n_in):
+    return _matmul(x, w, n_in), (x, w)
 
 
 def transposed(a: jax.Array) -> jax.Array:
@@ -58,14 +67,15 @@ def transposed(a: jax.Array) -> jax.Array:
     return a[None].transpose(2, 0, 1).reshape(a.shape[1], a.shape[0])
 
 
-def _matmul_bwd(res, g):
+def _matmul_bwd(n_in, res, g):
     # both gradient matmuls in the operands' dtype with float32 accumulation, like the
     # forward: autodiff would run them on the float32 cotangent, at float32 speed
     x, w = res
+    w2 = _as_2d(w, n_in)
     g = g.astype(x.dtype)
-    dx = jnp.dot(g, transposed(w), preferred_element_type=jnp.float32).astype(x.dtype)
+    dx = jnp.dot(g, transposed(w2), preferred_element_type=jnp.float32).astype(x.dtype)
     dw = jnp.dot(transposed(x), g, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dx, dw
+    return dx, dw.reshape(w.shape)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -78,8 +88,8 @@ def dense(x: jax.Array, w: jax.Array, n_in: int, dtype: Dtype) -> jax.Array:
     weight to fit its dot (it does for some multi-axis einsums, on every call), and bf16
     products run at bf16 speed in the backward pass too."""
     n_out = w.ndim - n_in
-    w2 = w.astype(dtype).reshape(-1, int(np.prod(w.shape[n_in:])))
-    y = _matmul(x.astype(dtype).reshape(-1, w2.shape[0]), w2).astype(dtype)
+    n = int(np.prod(w.shape[:n_in]))
+    y = _matmul(x.astype(dtype).reshape(-1, n), w.astype(dtype), n_in).astype(dtype)
     return y.reshape(*x.shape[:x.ndim - n_in], *w.shape[w.ndim - n_out:])
 
 
@@ -141,7 +151,7 @@ class Attention(nn.Module):
         neg = jnp.finfo(jnp.float32).min
         if cache_kv is None:
             scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-            probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, neg), axis=-1).astype(self.dtype)
+            probs = softmax(jnp.where(mask[:, None, None], scores, neg)).astype(self.dtype)
             return project(jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)), None
         # write first, then read the whole cache: the buffers are updated in place
         keys = jax.lax.dynamic_update_slice(cache_kv[0], k.transpose(0, 2, 3, 1).astype(cache_kv[0].dtype),
@@ -155,8 +165,11 @@ class Attention(nn.Module):
         g, s, cd = c.n_groups, values.shape[2], keys.dtype
         qm = q.transpose(0, 2, 1, 3, 4).reshape(b, k_heads, t * g, h).astype(cd)
         scores = jnp.einsum("BKMH,BKHS->BKMS", qm, keys, preferred_element_type=jnp.float32)
-        scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, k_heads, t, g, s), neg)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cd).reshape(b, k_heads, t * g, s)
+        # the mask widened to the queries' [T*G] rows, so scores and probs keep one shape
+        # (a reshape between them made autodiff keep both a [B, K, T, G, S] and a
+        # [B, K, T*G, S] copy of the probabilities for the backward pass)
+        mask = jnp.broadcast_to(mask[:, None, :, None, :], (b, 1, t, g, s)).reshape(b, 1, t * g, s)
+        probs = softmax(jnp.where(mask, scores, neg)).astype(cd)
         out = jnp.einsum("BKMS,BKSH->BKMH", probs, values).astype(self.dtype)
         return project(out.reshape(b, k_heads, t, g, h).transpose(0, 2, 1, 3, 4)), (keys, values)
 
@@ -171,6 +184,11 @@ class Mlp(nn.Module):
         c = self.cfg
         p = lambda name, shape, init=_init: self.param(name, init, shape, self.param_dtype).astype(self.dtype)
         w = lambda name, shape: self.param(name, _init, shape, self.param_dtype)
+        if not c.mlp_bias:  # one op that keeps 2 of the 4 [B, T, F] activations for backward
+            wg, wu = w("gate", (c.d_model, c.mlp_dim)), w("up", (c.d_model, c.mlp_dim))
+            wd = w("down", (c.mlp_dim, c.d_model))
+            y = swiglu(*(a.astype(self.dtype) for a in (x.reshape(-1, c.d_model), wg, wu, wd)))
+            return y.reshape(x.shape)
         gate = dense(x, w("gate", (c.d_model, c.mlp_dim)), 1, self.dtype)  # [B, T, F]
         up = dense(x, w("up", (c.d_model, c.mlp_dim)), 1, self.dtype)
         if c.mlp_bias:

@@ -1,0 +1,79 @@
+"""Ops with their own VJPs that keep fewer activations for the backward pass.
+
+In a layer `scan`, each activation autodiff keeps is stacked over the L layers into a
+fresh buffer; on CPU every step page-faults such buffers in again, so activations kept
+cost time as well as memory.
+
+`swiglu`: the MLP product `(silu(x @ wg) * (x @ wu)) @ wd`. Autodiff of the plain expression keeps four [N, F] activations per layer for the
+backward pass (gate, up, silu(gate) and their product, the down projection's input),
+and XLA:CPU adds layout copies of some. This op keeps the two pre-activations only and
+recomputes the elementwise product in the backward pass (a few elementwise ops on
+[N, F], against the three matmuls of that pass): half the MLP's residual memory.
+Matmuls run like `decoder._matmul`: operands in the compute dtype, float32 accumulation.
+
+`softmax`: autodiff of `jax.nn.softmax` keeps both exp(x - max) and the probabilities;
+this one keeps the probabilities only (dx = y * (dy - sum(y * dy))).
+
+Letters: N rows, D model width, F MLP width.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def swiglu(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Array:
+    """x [N, D], wg / wu [D, F], wd [F, D], all in one dtype -> [N, D] in that dtype."""
+    return _swiglu_fwd(x, wg, wu, wd)[0]
+
+
+def _swiglu_fwd(x, wg, wu, wd):
+    gate, up = _dot(x, wg).astype(x.dtype), _dot(x, wu).astype(x.dtype)
+    y = _dot(jax.nn.silu(gate) * up, wd).astype(x.dtype)
+    return y, (x, gate, up, wg, wu, wd)
+
+
+def _swiglu_bwd(res, dy):
+    from car_jax.models.decoder import transposed  # decoder imports this module
+
+    x, gate, up, wg, wu, wd = res
+    dt = x.dtype
+    dy = dy.astype(dt)
+    g32 = gate.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g32)
+    silu = g32 * sig
+    act = (silu * up.astype(jnp.float32)).astype(dt)  # the down projection's input, again
+    d_act = _dot(dy, transposed(wd))  # [N, F] float32
+    d_up = (d_act * silu).astype(dt)
+    d_gate = (d_act * up.astype(jnp.float32) * sig * (1.0 + g32 * (1.0 - sig))).astype(dt)
+    dx = (_dot(d_gate, transposed(wg)) + _dot(d_up, transposed(wu))).astype(dt)
+    xt = transposed(x)
+    return (dx, _dot(xt, d_gate).astype(wg.dtype), _dot(xt, d_up).astype(wu.dtype),
+            _dot(transposed(act), dy).astype(wd.dtype))
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+@jax.custom_vjp
+def softmax(x: jax.Array) -> jax.Array:
+    """softmax over the last axis of float32 x (-inf / finfo.min entries give 0)."""
+    return _softmax_fwd(x)[0]
+
+
+def _softmax_fwd(x):
+    e = jnp.exp(x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True)))
+    y = e / e.sum(axis=-1, keepdims=True)
+    return y, y
+
+
+def _softmax_bwd(y, dy):
+    return (y * (dy - (y * dy).sum(axis=-1, keepdims=True)),)
+
+
+softmax.defvjp(_softmax_fwd, _softmax_bwd)

@@ -106,12 +106,14 @@ def micro_batches(arrays: dict[str, np.ndarray], rows: np.ndarray, micro: int, s
 
 def chunked_logprobs(logprob_fn, params, arrays: dict[str, np.ndarray], micro: int, share: bool = True
                      ) -> np.ndarray:
-    """float32[N, R] log-probs of every row's response under params, `micro` rows per call
-    of the jitted `logprob_fn(params, micro_batch)` (reference and old-policy log-probs)."""
+    """float32[N, R] log-probs of every row's response under params, in micro-batches of
+    `micro` rows, all in one call of the jitted `logprob_fn(params, batch)` (reference and
+    old-policy log-probs; `train_step.make_logprob_fn`)."""
     n = len(arrays["tokens"])
     batch = micro_batches(arrays, np.arange(n), micro, share)
     rows = micro_batch_rows(arrays, np.arange(n), micro, share)
+    logp = np.asarray(logprob_fn(params, batch))  # [M, micro, R]
     out = np.zeros(arrays["tokens"].shape, np.float32)
     for m in range(len(rows)):
-        out[rows[m]] = np.asarray(logprob_fn(params, {k: v[m] for k, v in batch.items()}))
+        out[rows[m]] = logp[m]
     return out

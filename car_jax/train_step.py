@@ -165,10 +165,13 @@ def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
 
 @functools.lru_cache(maxsize=8)
 def make_logprob_fn(module: Decoder, temperature: float, chunk: int = 128):
-    """Jitted (params, micro-batch without the M axis) -> logp float32[b, R] (reference
-    and old-policy log-probs, no gradient)."""
-    def fn(params, micro):
-        return micro_logprobs(module, params, micro, temperature, chunk)[0]
+    """Jitted (params, batch [M, b, ...] as `batches.micro_batches` lays it out) -> logp
+    float32[M, b, R] (reference and old-policy log-probs, no gradient). The micro-batches
+    run one after another inside one call (`lax.map`): one dispatch, and on CPU one
+    temporary buffer (page-faulted in once) for the whole batch rather than one per
+    micro-batch."""
+    def fn(params, batch):
+        return jax.lax.map(lambda micro: micro_logprobs(module, params, micro, temperature, chunk)[0], batch)
     return jax.jit(fn)
 
 

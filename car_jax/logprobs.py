@@ -16,7 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from car_jax.models.decoder import Decoder, transposed
+from car_jax.models.decoder import Decoder
+from car_jax.models.fused import dot32, transposed
 from car_jax.models.prompt_forward import prompt_response_hidden
 
 
@@ -63,8 +64,8 @@ def _head_bwd(inv_t, res, g):
                                                                                      + entropy[:, None]))
     d = (d * inv_t).astype(h.dtype)  # gradient w.r.t. the raw logits [N, V]
     # in bf16 on CPU both products read explicit transposes (see `transposed`)
-    dh = jnp.dot(d, transposed(w), preferred_element_type=jnp.float32).astype(h.dtype)
-    dw = jnp.dot(transposed(h), d, preferred_element_type=jnp.float32)
+    dh = dot32(d, transposed(w)).astype(h.dtype)
+    dw = dot32(transposed(h), d)
     return dh, dw.astype(w.dtype), None
 
 

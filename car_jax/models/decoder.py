@@ -26,7 +26,7 @@ import numpy as np
 
 from car_jax.models.cache import KVCache
 from car_jax.models.config import ModelConfig
-from car_jax.models.fused import softmax, swiglu
+from car_jax.models.fused import dot32, softmax, swiglu, transposed
 
 Dtype = Any
 _init = nn.initializers.normal(0.02)
@@ -45,7 +45,7 @@ def _matmul(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
     -> float32 [N, prod(Out)], accumulated in float32. w is reshaped to 2D inside, so the
     backward pass keeps w itself (in a layer scan: a slice of the stacked weights, which
     needs no stack of its own) rather than a reshaped copy of it."""
-    return jnp.dot(x, _as_2d(w, n_in), preferred_element_type=jnp.float32)
+    return dot32(x, _as_2d(w, n_in))
 
 
 def _as_2d(w: jax.Array, n_in: int) -> jax.Array:
@@ -56,25 +56,14 @@ def _matmul_fwd(x, w, n_in):
     return _matmul(x, w, n_in), (x, w)
 
 
-def transposed(a: jax.Array) -> jax.Array:
-    """a [M, N] -> a.T [N, M] for a dot to read, as a real copy where that pays. XLA folds
-    a plain `.T` into the dot, and XLA:CPU runs a bf16 dot whose contraction is not
-    (lhs 1, rhs 0) by upcasting both operands to float32 first: 3x slower than the copy
-    plus the bf16 dot. Through a size-1 axis the transpose is not folded. float32 on CPU
-    (whose dots take either form at full speed) and other backends get the plain `.T`."""
-    if a.dtype == jnp.float32 or jax.default_backend() != "cpu":
-        return a.T
-    return a[None].transpose(2, 0, 1).reshape(a.shape[1], a.shape[0])
-
-
 def _matmul_bwd(n_in, res, g):
     # both gradient matmuls in the operands' dtype with float32 accumulation, like the
     # forward: autodiff would run them on the float32 cotangent, at float32 speed
     x, w = res
     w2 = _as_2d(w, n_in)
     g = g.astype(x.dtype)
-    dx = jnp.dot(g, transposed(w2), preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.dot(transposed(x), g, preferred_element_type=jnp.float32).astype(w.dtype)
+    dx = dot32(g, transposed(w2)).astype(x.dtype)
+    dw = dot32(transposed(x), g).astype(w.dtype)
     return dx, dw.reshape(w.shape)
 
 
@@ -189,16 +178,11 @@ class Mlp(nn.Module):
             wd = w("down", (c.mlp_dim, c.d_model))
             y = swiglu(*(a.astype(self.dtype) for a in (x.reshape(-1, c.d_model), wg, wu, wd)))
             return y.reshape(x.shape)
-        gate = dense(x, w("gate", (c.d_model, c.mlp_dim)), 1, self.dtype)  # [B, T, F]
-        up = dense(x, w("up", (c.d_model, c.mlp_dim)), 1, self.dtype)
-        if c.mlp_bias:
-            zeros = nn.initializers.zeros
-            gate = gate + p("gate_bias", (c.mlp_dim,), zeros)
-            up = up + p("up_bias", (c.mlp_dim,), zeros)
+        zeros = nn.initializers.zeros  # with biases: the plain expression
+        gate = dense(x, w("gate", (c.d_model, c.mlp_dim)), 1, self.dtype) + p("gate_bias", (c.mlp_dim,), zeros)
+        up = dense(x, w("up", (c.d_model, c.mlp_dim)), 1, self.dtype) + p("up_bias", (c.mlp_dim,), zeros)
         y = dense(jax.nn.silu(gate) * up, w("down", (c.mlp_dim, c.d_model)), 1, self.dtype)
-        if c.mlp_bias:
-            y = y + p("down_bias", (c.d_model,), nn.initializers.zeros)
-        return y
+        return y + p("down_bias", (c.d_model,), zeros)
 
 
 class Block(nn.Module):

@@ -4,12 +4,14 @@ In a layer `scan`, each activation autodiff keeps is stacked over the L layers i
 fresh buffer; on CPU every step page-faults such buffers in again, so activations kept
 cost time as well as memory.
 
-`swiglu`: the MLP product `(silu(x @ wg) * (x @ wu)) @ wd`. Autodiff of the plain expression keeps four [N, F] activations per layer for the
-backward pass (gate, up, silu(gate) and their product, the down projection's input),
-and XLA:CPU adds layout copies of some. This op keeps the two pre-activations only and
+`swiglu`: the MLP product `(silu(x @ wg) * (x @ wu)) @ wd`. Autodiff of the plain
+expression keeps four [N, F] activations per layer for the backward pass (gate, up,
+silu(gate) and their product, the down projection's input), and XLA:CPU adds layout
+copies of some. This op keeps the two pre-activations only and
 recomputes the elementwise product in the backward pass (a few elementwise ops on
 [N, F], against the three matmuls of that pass): half the MLP's residual memory.
-Matmuls run like `decoder._matmul`: operands in the compute dtype, float32 accumulation.
+Matmuls run like `decoder._matmul`: operands in the compute dtype, float32 accumulation
+(`dot32`), backward operands through `transposed`; both live here for both modules.
 
 `softmax`: autodiff of `jax.nn.softmax` keeps both exp(x - max) and the probabilities;
 this one keeps the probabilities only (dx = y * (dy - sum(y * dy))).
@@ -22,8 +24,20 @@ import jax
 import jax.numpy as jnp
 
 
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+def dot32(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b with float32 accumulation and a float32 result."""
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def transposed(a: jax.Array) -> jax.Array:
+    """a [M, N] -> a.T [N, M] for a dot to read, as a real copy where that pays. XLA folds
+    a plain `.T` into the dot, and XLA:CPU runs a bf16 dot whose contraction is not
+    (lhs 1, rhs 0) by upcasting both operands to float32 first: 3x slower than the copy
+    plus the bf16 dot. Through a size-1 axis the transpose is not folded. float32 on CPU
+    (whose dots take either form at full speed) and other backends get the plain `.T`."""
+    if a.dtype == jnp.float32 or jax.default_backend() != "cpu":
+        return a.T
+    return a[None].transpose(2, 0, 1).reshape(a.shape[1], a.shape[0])
 
 
 @jax.custom_vjp
@@ -33,14 +47,12 @@ def swiglu(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Arr
 
 
 def _swiglu_fwd(x, wg, wu, wd):
-    gate, up = _dot(x, wg).astype(x.dtype), _dot(x, wu).astype(x.dtype)
-    y = _dot(jax.nn.silu(gate) * up, wd).astype(x.dtype)
+    gate, up = dot32(x, wg).astype(x.dtype), dot32(x, wu).astype(x.dtype)
+    y = dot32(jax.nn.silu(gate) * up, wd).astype(x.dtype)
     return y, (x, gate, up, wg, wu, wd)
 
 
 def _swiglu_bwd(res, dy):
-    from car_jax.models.decoder import transposed  # decoder imports this module
-
     x, gate, up, wg, wu, wd = res
     dt = x.dtype
     dy = dy.astype(dt)
@@ -48,13 +60,13 @@ def _swiglu_bwd(res, dy):
     sig = jax.nn.sigmoid(g32)
     silu = g32 * sig
     act = (silu * up.astype(jnp.float32)).astype(dt)  # the down projection's input, again
-    d_act = _dot(dy, transposed(wd))  # [N, F] float32
+    d_act = dot32(dy, transposed(wd))  # [N, F] float32
     d_up = (d_act * silu).astype(dt)
     d_gate = (d_act * up.astype(jnp.float32) * sig * (1.0 + g32 * (1.0 - sig))).astype(dt)
-    dx = (_dot(d_gate, transposed(wg)) + _dot(d_up, transposed(wu))).astype(dt)
+    dx = (dot32(d_gate, transposed(wg)) + dot32(d_up, transposed(wu))).astype(dt)
     xt = transposed(x)
-    return (dx, _dot(xt, d_gate).astype(wg.dtype), _dot(xt, d_up).astype(wu.dtype),
-            _dot(transposed(act), dy).astype(wd.dtype))
+    return (dx, dot32(xt, d_gate).astype(wg.dtype), dot32(xt, d_up).astype(wu.dtype),
+            dot32(transposed(act), dy).astype(wd.dtype))
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

@@ -77,7 +77,23 @@ def car_jax_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, fl
     return times, split
 
 
-def trl_steps(folder, args, n_steps: int) -> list[float]:
+def _timed_method(obj, name: str, log: list[float]) -> None:
+    """Wraps obj.name (if it exists) so each call appends its wall time to log."""
+    inner = getattr(obj, name, None)
+    if inner is None:
+        return
+
+    def wrapper(*a, **kw):
+        start = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            log.append(time.perf_counter() - start)
+
+    setattr(obj, name, wrapper)
+
+
+def trl_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, float]]:
     import torch
     import transformers
     from datasets import Dataset
@@ -106,8 +122,17 @@ def trl_steps(folder, args, n_steps: int) -> list[float]:
                           reward_funcs=lambda completions, **kw: toy_reward(
                               [c[0]["content"] if isinstance(c, list) else c for c in completions]),
                           callbacks=[Stamp()])
+    # where TRL's step goes (private methods of trl 1.16; the split is left out if they move)
+    gen, scored = [], []
+    _timed_method(trainer, "_generate", gen)
+    _timed_method(trainer, "_generate_and_score_completions", scored)
     trainer.train()
-    return [stamps[i + 1] - stamps[i] for i in range(0, len(stamps) - 1, 2)]
+    times = [stamps[i + 1] - stamps[i] for i in range(0, len(stamps) - 1, 2)]
+    split = {}
+    if len(gen) == len(scored) == n_steps:
+        split = {"generation": gen[-1], "reference log-probs and rewards": scored[-1] - gen[-1],
+                 "update (4 micro-batches)": times[-1] - scored[-1]}
+    return times, split
 
 
 def main() -> None:
@@ -122,7 +147,7 @@ def main() -> None:
     from car_jax.run_default import default_model_dir
     folder = default_model_dir()
     ours, split = car_jax_steps(folder, args, args.steps)
-    theirs = trl_steps(folder, args, args.steps)
+    theirs, their_split = trl_steps(folder, args, args.steps)
     import trl
     print(header(f"One GRPO step, SmolLM2-135M, {args.dtype} compute, {args.prompts} prompts x {args.group} "
                  f"generations x {args.new} new tokens", f"python benchmarks/bench_grpo_step.py --prompts {args.prompts} "
@@ -133,6 +158,8 @@ def main() -> None:
     print(f"| car_jax (jitted decode loop + jitted train step) | {ours[0]:.1f} (includes compile) | {ours[-1]:.1f} |")
     print(f"\ncar_jax time / TRL time (last step): **{ours[-1] / theirs[-1]:.2f}**")
     print("car_jax's last step: " + ", ".join(f"{k} {v:.1f} s" for k, v in split.items()))
+    if their_split:
+        print("TRL's last step: " + ", ".join(f"{k} {v:.1f} s" for k, v in their_split.items()))
 
 
 if __name__ == "__main__":

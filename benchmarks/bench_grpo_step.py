@@ -156,7 +156,7 @@ def main() -> None:
     print("|---|---:|---:|")
     print(f"| TRL {trl.__version__} `GRPOTrainer` (transformers generate + torch) | {theirs[0]:.1f} | {theirs[-1]:.1f} |")
     print(f"| car_jax (jitted decode loop + jitted train step) | {ours[0]:.1f} (includes compile) | {ours[-1]:.1f} |")
-    print(f"\ncar_jax time / TRL time (last step): **{ours[-1] / theirs[-1]:.2f}**")
+    print(f"\ncar_jax time / TRL time (last step): **{ours[-1] / theirs[-1]:.3f}**")
     print("car_jax's last step: " + ", ".join(f"{k} {v:.1f} s" for k, v in split.items()))
     if their_split:
         print("TRL's last step: " + ", ".join(f"{k} {v:.1f} s" for k, v in their_split.items()))

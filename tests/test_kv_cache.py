@@ -93,3 +93,45 @@ def test_shared_prompt_prefill_equals_a_prefill_per_row(tmp_path):
                            jnp.zeros((0,), jnp.int32), tables, jax.random.key(0))[0]
             for c, lg in ((got, got_logits), (want, want_logits))]
     np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+
+
+def test_windowed_decode_equals_decode_over_the_whole_cache(tmp_path):
+    """decode_segment(window=W) attends over the first W slots only and writes them back:
+    sampled tokens, their log-probs and the returned cache equal a decode over all S."""
+    from car_jax.rollout.decode import decode_segment, prefill
+    from car_jax.rollout.generate import decode_window, left_pad
+    from car_jax.rollout.sampling import Sampler
+    build("qwen2", tmp_path)
+    model = car_jax.load_model(tmp_path)
+    rng = np.random.default_rng(3)
+    tokens, valid = left_pad([list(rng.integers(0, 96, size=n)) for n in (7, 12, 3)], 16, 0)
+    capacity, steps = 200, 20
+    window = decode_window(16, steps, capacity)
+    assert window == 64  # the smallest bucket that holds 16 + 20 slots, well short of 200
+    tables = jnp.zeros((1, 1, model.config.vocab_size), jnp.int32)
+    runs = []
+    for w in (0, window):
+        logits, cache = prefill(model.module, model.params, model.init_cache(3, capacity), jnp.asarray(tokens),
+                                jnp.asarray(valid))
+        out, cache = decode_segment(model.module, Sampler(1.0), steps, model.params, cache, logits,
+                                    jnp.asarray([True, True, False]), jnp.zeros((0,), jnp.int32), tables,
+                                    jax.random.key(5), window=w)
+        runs.append((out, cache))
+    (want, want_cache), (got, got_cache) = runs
+    assert got_cache.capacity == capacity
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got_cache.valid), np.asarray(want_cache.valid))
+    np.testing.assert_array_equal(np.asarray(got_cache.next_pos), np.asarray(want_cache.next_pos))
+    assert int(got_cache.index) == int(want_cache.index) == 16 + steps
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_decode_window_buckets_and_refuses_overflow():
+    from car_jax.rollout.generate import decode_window
+    assert decode_window(0, 64, 1000) == 64
+    assert decode_window(40, 60, 1000) == 128  # 100 slots: the 128 bucket (96 is too small)
+    assert decode_window(900, 64, 1000) == 1000  # capped at the capacity
+    with pytest.raises(ValueError, match="capacity 100"):
+        decode_window(50, 64, 100)

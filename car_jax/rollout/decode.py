@@ -87,16 +87,40 @@ def loop_params(module: Decoder, params):
     return unstack_layers(jax.tree.map(lambda a: a.astype(module.dtype), params))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def prefix(cache: KVCache, window: int) -> KVCache:
+    """The cache's first `window` slots (a copy): every slot at or after `window` must be
+    empty, and stays so while the cache is used."""
+    return KVCache(k=tuple(k[..., :window] for k in cache.k), v=tuple(v[:, :, :window] for v in cache.v),
+                   valid=cache.valid[:, :window], next_pos=cache.next_pos, index=cache.index)
+
+
+def put_prefix(cache: KVCache, part: KVCache) -> KVCache:
+    """`cache` with its first slots replaced by `part` (from `prefix`), and part's index
+    and positions."""
+    put = jax.lax.dynamic_update_slice
+    return KVCache(k=tuple(put(k, pk, (0, 0, 0, 0)) for k, pk in zip(cache.k, part.k)),
+                   v=tuple(put(v, pv, (0, 0, 0, 0)) for v, pv in zip(cache.v, part.v)),
+                   valid=put(cache.valid, part.valid, (0, 0)), next_pos=part.next_pos, index=part.index)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("window",), donate_argnums=(4,))
 def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, cache: KVCache,
-                   logits, active, eos_ids, tables, key):
+                   logits, active, eos_ids, tables, key, *, window: int = 0):
     """Samples up to `max_steps` tokens per active row.
 
     logits float32[B, V]: next-token logits after the prefill; active bool[B]: rows that
     take part; eos_ids int32[E]; tables int32[P, S, V] stop automata (see stops.py);
-    key: PRNG key. Returns (SegmentOut, cache). Finished rows leave invalid holes in the
-    cache; positions of the other rows are unaffected. A row that *stopped* has its last
-    token pending (not in the cache); a row that ran out of budget has it written."""
+    key: PRNG key. window: if 0 < window < S, the loop runs on the cache's first `window`
+    slots only (the caller guarantees index + max_steps <= window; see
+    `generate.decode_window`) and writes them back at the end: the same result, with each
+    step attending over W slots instead of S. Returns (SegmentOut, cache).
+    Finished rows leave invalid holes in the cache; positions of the other rows are
+    unaffected. A row that *stopped* has its last token pending (not in the cache); a row
+    that ran out of budget has it written."""
+    full = cache
+    windowed = 0 < window < cache.capacity
+    if windowed:
+        cache = prefix(cache, window)
     b = logits.shape[0]
     n_pat = tables.shape[0]
     params = loop_params(module, params)
@@ -136,4 +160,4 @@ def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, ca
         return _Loop(s.step + 1, cache, step_logits[:, 0], done, dfa, out, key)
 
     final = jax.lax.while_loop(cond, body, state)
-    return final.out, final.cache
+    return final.out, (put_prefix(full, final.cache) if windowed else final.cache)

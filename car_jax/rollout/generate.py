@@ -27,6 +27,17 @@ def length_bucket(n: int, smallest: int = 64) -> int:
     return size
 
 
+def decode_window(index: int, max_steps: int, capacity: int) -> int:
+    """The slots a decode segment that starts at slot `index` can reach, bucketed
+    (`length_bucket`: few shapes compile) and capped at the capacity. `decode_segment`
+    then attends over these only, not over the empty rest of a cache sized for a whole
+    multi-turn episode."""
+    if index + max_steps > capacity:
+        raise ValueError(f"a segment of {max_steps} tokens from slot {index} overflows the cache "
+                         f"(capacity {capacity}); allocate at least {index + max_steps} slots")
+    return min(length_bucket(index + max_steps), capacity)
+
+
 def prompt_texts(tokenizer, prompts: Sequence) -> list[str]:
     """Strings pass through; a list of chat messages gets the chat template."""
     return [p if isinstance(p, str) else

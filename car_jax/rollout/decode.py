@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from car_jax.models.cache import KVCache
+from car_jax.models.cache import KVCache, init_cache
 from car_jax.models.decoder import Decoder, unstack_layers
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import STOP
@@ -56,37 +56,6 @@ def _prefill(module: Decoder, params, cache: KVCache, tokens, valid):
 prefill = jax.jit(_prefill, static_argnums=(0,), donate_argnums=(2,))
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def prefill_shared(module: Decoder, params, cache: KVCache, tokens, valid, inverse):
-    """`prefill` of an empty cache of B rows whose prompts repeat: the U distinct ones,
-    tokens int32[U, W] (valid bool[U, W]), run once, and row b gets a copy of prompt
-    inverse[b]'s keys, values and next-token logits (int32[B] into U). Returns
-    (logits float32[B, V], cache with W slots written)."""
-    u, w = tokens.shape
-    c = module.cfg
-    small = KVCache(k=tuple(jnp.zeros((u, c.n_kv_heads, c.head_dim, w), k.dtype) for k in cache.k),
-                    v=tuple(jnp.zeros((u, c.n_kv_heads, w, c.head_dim), v.dtype) for v in cache.v),
-                    valid=jnp.zeros((u, w), bool), next_pos=jnp.zeros((u,), jnp.int32), index=jnp.zeros((), jnp.int32))
-    logits, small = _prefill(module, params, small, tokens, valid)
-    put = jax.lax.dynamic_update_slice
-    return logits[inverse], KVCache(
-        k=tuple(put(big, k[inverse], (0, 0, 0, 0)) for big, k in zip(cache.k, small.k)),
-        v=tuple(put(big, v[inverse], (0, 0, 0, 0)) for big, v in zip(cache.v, small.v)),
-        valid=put(cache.valid, small.valid[inverse], (0, 0)), next_pos=small.next_pos[inverse],
-        index=jnp.asarray(w, jnp.int32))
-
-
-def loop_params(module: Decoder, params):
-    """The weights the decode loop reads, computed once outside its `while_loop`. On CPU
-    they are split per layer and cast to the compute dtype: XLA:CPU copies a slice of a
-    stack on every use (the loop would copy all weights every token), and bf16 compute
-    over fp32 storage then streams half the bytes. On accelerators the stack stays as it
-    is: a cast copy would cost device memory (not measured there)."""
-    if jax.default_backend() != "cpu":
-        return params
-    return unstack_layers(jax.tree.map(lambda a: a.astype(module.dtype), params))
-
-
 def prefix(cache: KVCache, window: int) -> KVCache:
     """The cache's first `window` slots (a copy): every slot at or after `window` must be
     empty, and stays so while the cache is used."""
@@ -101,6 +70,31 @@ def put_prefix(cache: KVCache, part: KVCache) -> KVCache:
     return KVCache(k=tuple(put(k, pk, (0, 0, 0, 0)) for k, pk in zip(cache.k, part.k)),
                    v=tuple(put(v, pv, (0, 0, 0, 0)) for v, pv in zip(cache.v, part.v)),
                    valid=put(cache.valid, part.valid, (0, 0)), next_pos=part.next_pos, index=part.index)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def prefill_shared(module: Decoder, params, cache: KVCache, tokens, valid, inverse):
+    """`prefill` of an empty cache of B rows whose prompts repeat: the U distinct ones,
+    tokens int32[U, W] (valid bool[U, W]), run once, and row b gets a copy of prompt
+    inverse[b]'s keys, values and next-token logits (int32[B] into U). Returns
+    (logits float32[B, V], cache with W slots written)."""
+    u, w = tokens.shape
+    small = init_cache(module.cfg, u, w, cache.k[0].dtype)
+    logits, small = _prefill(module, params, small, tokens, valid)
+    rows = KVCache(k=tuple(k[inverse] for k in small.k), v=tuple(v[inverse] for v in small.v),
+                   valid=small.valid[inverse], next_pos=small.next_pos[inverse], index=small.index)
+    return logits[inverse], put_prefix(cache, rows)
+
+
+def loop_params(module: Decoder, params):
+    """The weights the decode loop reads, computed once outside its `while_loop`. On CPU
+    they are split per layer and cast to the compute dtype: XLA:CPU copies a slice of a
+    stack on every use (the loop would copy all weights every token), and bf16 compute
+    over fp32 storage then streams half the bytes. On accelerators the stack stays as it
+    is: a cast copy would cost device memory (not measured there)."""
+    if jax.default_backend() != "cpu":
+        return params
+    return unstack_layers(jax.tree.map(lambda a: a.astype(module.dtype), params))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("window",), donate_argnums=(4,))

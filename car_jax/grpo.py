@@ -101,25 +101,54 @@ def aggregate(values: jax.Array, mask: jax.Array, mode: AggMode, norm: Norm) -> 
     raise ValueError(f"loss aggregation {mode!r}: choose token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
 
 
-def policy_loss(logp, old_logp, advantages, mask, cfg: LossConfig, norm: Norm):
-    """Clipped surrogate. logp, old_logp, mask [B, T]; advantages [B] (broadcast over
-    tokens). Returns (loss, metrics) with the clip fractions and the approximate KL to
-    the sampling policy."""
-    adv = advantages[:, None]
+def token_weights(mask: jax.Array, mode: AggMode, norm: Norm) -> jax.Array:
+    """float32[B, T] weights with aggregate(v, mask, mode, norm) == (v * weights).sum():
+    every aggregation is a weighted sum of per-token values, which is what lets
+    `head_loss` differentiate the loss one position at a time."""
+    if mode == "token-mean":
+        return mask / norm.tokens
+    if mode == "seq-mean-token-mean":
+        return mask / (jnp.maximum(mask.sum(-1, keepdims=True), 1.0) * norm.seqs)
+    if mode == "seq-mean-token-sum-norm":
+        return mask / norm.horizon
+    raise ValueError(f"loss aggregation {mode!r}: choose token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
+
+
+def _surrogate(logp, old_logp, adv, cfg: LossConfig):
+    """Per-token clipped surrogate (adv broadcast to logp's shape): (losses, log_ratio,
+    unclipped loss, clipped loss, loss before the dual clip)."""
     log_ratio = jnp.clip(logp - old_logp, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     ratio = jnp.exp(log_ratio)
     loss1 = -adv * ratio
     loss2 = -adv * jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     clipped = jnp.maximum(loss1, loss2)
     losses = clipped
+    if cfg.dual_clip is not None:
+        losses = jnp.where(adv < 0, jnp.minimum(-adv * cfg.dual_clip, clipped), clipped)
+    return losses, log_ratio, loss1, loss2, clipped
+
+
+def token_loss(logp, entropy, old_logp, ref_logp, adv, cfg: LossConfig):
+    """The total loss of each token, before aggregation: clipped surrogate -
+    entropy_coef * entropy + kl_coef * KL. All arrays of one shape (adv broadcast);
+    ref_logp is unused when kl_coef == 0. `grpo_loss` == (token_loss * token_weights).sum()."""
+    loss = _surrogate(logp, old_logp, adv, cfg)[0] - cfg.entropy_coef * entropy
+    if cfg.kl_coef:
+        loss = loss + cfg.kl_coef * kl_penalty(logp, ref_logp, cfg.kl_type)
+    return loss
+
+
+def policy_loss(logp, old_logp, advantages, mask, cfg: LossConfig, norm: Norm):
+    """Clipped surrogate. logp, old_logp, mask [B, T]; advantages [B] (broadcast over
+    tokens). Returns (loss, metrics) with the clip fractions and the approximate KL to
+    the sampling policy."""
+    adv = advantages[:, None]
+    losses, log_ratio, loss1, loss2, clipped = _surrogate(logp, old_logp, adv, cfg)
     metrics = {"pg_clipfrac": aggregate((loss2 > loss1).astype(jnp.float32), mask, "token-mean", norm),
                "ppo_kl": aggregate(-log_ratio, mask, "token-mean", norm)}
     if cfg.dual_clip is not None:
-        loss3 = -adv * cfg.dual_clip
-        dual = jnp.minimum(loss3, clipped)
-        losses = jnp.where(adv < 0, dual, clipped)
-        metrics["pg_clipfrac_lower"] = aggregate(((clipped > loss3) & (adv < 0)).astype(jnp.float32), mask,
-                                                 "token-mean", norm)
+        metrics["pg_clipfrac_lower"] = aggregate(((clipped > -adv * cfg.dual_clip) & (adv < 0)).astype(jnp.float32),
+                                                 mask, "token-mean", norm)
     return aggregate(losses, mask, cfg.agg, norm), metrics
 
 

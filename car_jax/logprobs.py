@@ -1,13 +1,15 @@
 """Per-token log-probs and entropies without ever holding the full [B, T, V] logits.
 
 The decoder runs once to the final hidden states [B, T, D] (`token_logprobs`, full
-sequences) or [B, R, D] (`response_logprobs`, responses after shared prompts, what the
-train steps use); the vocabulary projection, log-softmax, entropy and gather then run
-over chunks of positions inside a `lax.scan` (`chunked_head`). Each chunk is one custom-gradient op (`head_stats`): its forward keeps only the chunk's
-hidden states and two numbers per position, and its backward recomputes the chunk's
-logits and writes the gradient in closed form, so both passes hold one chunk's logits
-[B, C, V] at a time and pay for two exponentials per logit in all (autodiff through
-logsumexp and the entropy takes five).
+sequences) or [B, R, D] (`response_hidden` / `response_logprobs`: responses after shared
+prompts, what the train steps and the reference pass use); the vocabulary projection,
+log-softmax, entropy and gather then run over chunks of positions inside a `lax.scan`
+(`to_chunks`, `chunked_head`). Each chunk is one custom-gradient op (`head_stats`): its
+forward keeps only the chunk's hidden states and two numbers per position, and its
+backward recomputes the chunk's logits and writes the gradient in closed form, so both
+passes hold one chunk's logits [B, C, V] at a time and pay for two exponentials per
+logit in all (autodiff through logsumexp and the entropy takes five). The GRPO train
+step skips that recompute: `head_loss` differentiates its loss inside the forward.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ def _logits(h, w, inv_t: float):
     return jnp.dot(h, w, preferred_element_type=jnp.float32) * inv_t
 
 
-def _stats(h, w, y, inv_t):
+def _stats(h, w, y, inv_t, keep: bool = False):
+    """(logp, entropy, lse) float32[N] of softmax(h @ w * inv_t) at targets y; with
+    `keep`, also the logits x [N, V]."""
     x = _logits(h, w, inv_t)  # [N, V]
     ones = jnp.ones((x.shape[-1],), jnp.float32)
     m = jnp.max(x, axis=-1, keepdims=True)
@@ -37,7 +41,7 @@ def _stats(h, w, y, inv_t):
     lse = m[:, 0] + jnp.log(s)
     logp = jnp.take_along_axis(x, y[:, None], axis=-1)[:, 0] - lse
     entropy = lse - ((e * x) @ ones) / s
-    return logp, entropy, lse
+    return (logp, entropy, lse, x) if keep else (logp, entropy, lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -80,27 +84,36 @@ def unembedding(module: Decoder, params) -> jax.Array:
     return params["lm_head"].astype(module.dtype)
 
 
+def to_chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """x [B, N, ...] -> [n_chunks, B * C, ...]: the N positions in ceil(N / chunk) equal
+    chunks of C <= chunk each (191 positions are 2 x 96, not 2 x 128), zero-padded."""
+    b, n = x.shape[:2]
+    n_chunks = -(-n // chunk)
+    c = -(-n // n_chunks)
+    x = jnp.pad(x, [(0, 0), (0, n_chunks * c - n)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(b, n_chunks, c, *x.shape[2:]).swapaxes(0, 1).reshape(n_chunks, b * c, *x.shape[2:])
+
+
+def from_chunks(x: jax.Array, b: int, n: int) -> jax.Array:
+    """Inverse of `to_chunks`: [n_chunks, B * C, ...] -> [B, N, ...]."""
+    n_chunks = x.shape[0]
+    c = x.shape[1] // b
+    return x.reshape(n_chunks, b, c, *x.shape[2:]).swapaxes(0, 1).reshape(b, n_chunks * c, *x.shape[2:])[:, :n]
+
+
 def chunked_head(h: jax.Array, targets: jax.Array, w: jax.Array, inv_t: float,
                  chunk: int = 128) -> tuple[jax.Array, jax.Array]:
     """h [B, N, D] hidden states, targets int32[B, N], w [D, V] -> (logp, entropy),
     float32[B, N], of softmax(h @ w * inv_t) at the targets. The N positions run in
-    ceil(N / chunk) equal chunks of at most `chunk` each, one `head_stats` per chunk
-    inside a `lax.scan`, so only one chunk's logits [B, C, V] exist at a time."""
-    b, n, d = h.shape
-    n_chunks = -(-n // chunk)
-    c = -(-n // n_chunks)  # chunks of equal size <= chunk: 191 positions are 2 x 96, not 2 x 128
-    pad = n_chunks * c - n
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    h = h.reshape(b, -1, c, d).swapaxes(0, 1).reshape(-1, b * c, d)  # [n_chunks, B*C, D]
-    targets = targets.reshape(b, -1, c).swapaxes(0, 1).reshape(-1, b * c)  # [n_chunks, B*C]
+    equal chunks of at most `chunk` (`to_chunks`), one `head_stats` per chunk inside a
+    `lax.scan`, so only one chunk's logits [B, C, V] exist at a time."""
+    b, n, _ = h.shape
 
     def one_chunk(carry, xs):
         return carry, head_stats(xs[0], w, xs[1], inv_t)
 
-    _, (logp, entropy) = jax.lax.scan(one_chunk, None, (h, targets))
-    unchunk = lambda x: x.reshape(-1, b, c).swapaxes(0, 1).reshape(b, -1)[:, :n]  # noqa: E731
-    return unchunk(logp), unchunk(entropy)
+    _, (logp, entropy) = jax.lax.scan(one_chunk, None, (to_chunks(h, chunk), to_chunks(targets, chunk)))
+    return from_chunks(logp, b, n), from_chunks(entropy, b, n)
 
 
 def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array | None = None, *,
@@ -116,6 +129,14 @@ def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array 
     return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, entropy], axis=1)
 
 
+def response_hidden(module: Decoder, params, prompt: jax.Array, prompt_valid: jax.Array, tokens: jax.Array,
+                    valid: jax.Array, prompt_index: jax.Array | None = None) -> jax.Array:
+    """[B, R, D] final hidden states that predict each response token: slot r holds the
+    state after the prompt and tokens[:, :r] (arguments as `response_logprobs`)."""
+    last, hidden = prompt_response_hidden(module, params, prompt, prompt_valid, tokens, valid, prompt_index)
+    return jnp.concatenate([last[:, None], hidden[:, :-1]], axis=1)
+
+
 def response_logprobs(module: Decoder, params, prompt: jax.Array, prompt_valid: jax.Array, tokens: jax.Array,
                       valid: jax.Array, prompt_index: jax.Array | None = None, *, temperature: float = 1.0,
                       chunk: int = 128) -> tuple[jax.Array, jax.Array]:
@@ -126,6 +147,5 @@ def response_logprobs(module: Decoder, params, prompt: jax.Array, prompt_valid: 
     = log softmax(logits / temperature)[tokens[b, r]] given the prompt and tokens[b, :r]
     (the same numbers as `token_logprobs` of the concatenated sequence, at its response
     positions), and the entropy of that distribution."""
-    last, hidden = prompt_response_hidden(module, params, prompt, prompt_valid, tokens, valid, prompt_index)
-    h = jnp.concatenate([last[:, None], hidden[:, :-1]], axis=1)  # [B, R, D]: slot r predicts tokens[:, r]
+    h = response_hidden(module, params, prompt, prompt_valid, tokens, valid, prompt_index)
     return chunked_head(h, tokens, unembedding(module, params), 1.0 / temperature, chunk)

@@ -2,8 +2,8 @@
 
 A batch is one GRPO mini-batch split into micro-batches (`batches.micro_batches`): M
 micro-batches of b response rows [M, b, R], each with its u distinct prompts [M, u, P]
-run once (`logprobs.response_logprobs`). Gradients of the micro-batches are summed in a
-`lax.scan`; the loss of each is normalised by the whole mini-batch's token / sequence
+run once (`logprobs.response_hidden`), with the loss fused into the vocabulary projection
+(`head_loss`). Gradients of the micro-batches are summed in a `lax.scan`; the loss of each is normalised by the whole mini-batch's token / sequence
 counts (`grpo.Norm`), so the sum is exactly the mini-batch gradient. One optax update
 (AdamW, global-norm clipping, warmup then constant or cosine) follows.
 """
@@ -20,7 +20,8 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from car_jax import grpo
-from car_jax.logprobs import response_logprobs
+from car_jax.head_loss import grpo_head_loss
+from car_jax.logprobs import response_hidden, response_logprobs, unembedding
 from car_jax.models.decoder import Decoder, cpu_layer_loop, stack_layers
 
 Batch = dict[str, jax.Array]
@@ -98,9 +99,16 @@ def micro_logprobs(module: Decoder, params, micro: Batch, temperature: float = 1
 
 
 def _micro_loss(params, module: Decoder, micro: Batch, cfg: grpo.LossConfig, norm: grpo.Norm):
-    logp, entropy = micro_logprobs(module, params, micro, cfg.temperature)
-    return grpo.grpo_loss(logp, entropy, micro["old_logp"], micro["ref_logp"], micro["advantages"],
-                          micro["mask"], cfg, norm)
+    """(loss, metrics) of one micro-batch: `grpo.grpo_loss` of its responses' log-probs,
+    with the loss fused into the vocabulary projection (`head_loss`)."""
+    positional = micro["prompt"].shape[0] == micro["tokens"].shape[0]
+    h = response_hidden(module, params, micro["prompt"], micro["prompt_valid"], micro["tokens"], micro["valid"],
+                        None if positional else micro["prompt_index"])
+    loss, logp, entropy = grpo_head_loss(h, unembedding(module, params), micro["tokens"], micro["old_logp"],
+                                         micro["ref_logp"], micro["advantages"], micro["mask"], cfg, norm)
+    _, metrics = grpo.grpo_loss(logp, entropy, micro["old_logp"], micro["ref_logp"], micro["advantages"],
+                                micro["mask"], cfg, norm)
+    return loss, metrics
 
 
 def grads_and_metrics(module: Decoder, cfg: grpo.LossConfig, params, batch: Batch):

@@ -1,0 +1,87 @@
+"""The GRPO loss fused into the vocabulary projection: one projection per position.
+
+The loss is a weighted sum of per-token terms (`grpo.token_loss` x `grpo.token_weights`),
+so its gradient w.r.t. a position's logits is known as soon as those logits are. The
+forward pass here runs, chunk by chunk (`logprobs.to_chunks`): the logits, the log-prob
+and entropy of the target, the per-token loss and its gradient, and from that the
+gradients w.r.t. the hidden states and the unembedding. The backward pass only scales
+them by the loss's cotangent. Autodiff through `logprobs.chunked_head` instead projects
+every position twice (forward, then again in the backward pass to get the softmax back)
+and exponentiates the logits twice; both passes still hold one chunk's logits [B*C, V].
+
+The log-probs and entropies come out under `stop_gradient` (for metrics): the gradient
+flows through the loss only.
+
+Letters: B rows, N positions, C chunk, D model width, V vocabulary.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from car_jax import grpo
+from car_jax.logprobs import _stats, from_chunks, to_chunks
+from car_jax.models.fused import dot32, transposed
+
+
+def _chunk_grads(h, w, y, ctx, inv_t: float, cfg: grpo.LossConfig):
+    """One chunk: h [N, D], w [D, V], y int32[N], ctx (old_logp, ref_logp, advantage,
+    weight) float32[N] each -> (loss [], logp [N], entropy [N], dh [N, D], dw float32[D, V])."""
+    old, ref, adv, weight = ctx
+    logp, entropy, lse, x = _stats(h, w, y, inv_t, keep=True)
+    loss_of = lambda lp, ent: (weight * grpo.token_loss(lp, ent, old, ref, adv, cfg)).sum()  # noqa: E731
+    loss, (g_lp, g_ent) = jax.value_and_grad(loss_of, argnums=(0, 1))(logp, entropy)
+    # d logp_y / dx = onehot(y) - p;  d H / dx = -p (x - lse + H), with p = exp(x - lse)
+    # (exponentiated again rather than kept from the forward: one [N, V] buffer less to read)
+    p = jnp.exp(x - lse[:, None])
+    onehot = jnp.arange(x.shape[-1], dtype=y.dtype)[None, :] == y[:, None]
+    d = jnp.where(onehot, g_lp[:, None], 0.0) - p * (g_lp[:, None] + g_ent[:, None] * (x - lse[:, None]
+                                                                                     + entropy[:, None]))
+    d = (d * inv_t).astype(h.dtype)  # the loss's gradient w.r.t. the raw logits [N, V]
+    return loss, logp, entropy, dot32(d, transposed(w)).astype(h.dtype), dot32(transposed(h), d)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused(h, w, y, ctx, inv_t, cfg, chunk):
+    return _fused_fwd(h, w, y, ctx, inv_t, cfg, chunk)[0]
+
+
+def _fused_fwd(h, w, y, ctx, inv_t, cfg, chunk):
+    b, n, d = h.shape
+
+    def one_chunk(dw, xs):
+        hc, yc, *cc = xs
+        loss, logp, entropy, dh, dwc = _chunk_grads(hc, w, yc, cc, inv_t, cfg)
+        return dw + dwc, (loss, logp, entropy, dh)
+
+    dw0 = jnp.zeros((d, w.shape[1]), jnp.float32)
+    xs = (to_chunks(h, chunk), to_chunks(y, chunk), *(to_chunks(c, chunk) for c in ctx))
+    dw, (loss, logp, entropy, dh) = jax.lax.scan(one_chunk, dw0, xs)
+    out = (loss.sum(), from_chunks(logp, b, n), from_chunks(entropy, b, n))
+    return out, (from_chunks(dh, b, n), dw.astype(w.dtype))
+
+
+def _fused_bwd(inv_t, cfg, chunk, res, ct):
+    dh, dw = res
+    g = ct[0]  # the loss's cotangent; logp and entropy leave under stop_gradient
+    return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def grpo_head_loss(h: jax.Array, w: jax.Array, tokens: jax.Array, old_logp: jax.Array, ref_logp: jax.Array,
+                   advantages: jax.Array, mask: jax.Array, cfg: grpo.LossConfig, norm: grpo.Norm,
+                   chunk: int = 128) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [B, N, D] hidden states predicting tokens int32[B, N], w [D, V] the unembedding;
+    old_logp / ref_logp / mask float32[B, N], advantages float32[B]. Returns (loss,
+    logp, entropy): the loss equals `grpo.grpo_loss` of the log-probs and entropies of
+    softmax(h @ w / cfg.temperature) (its gradient w.r.t. h and w is exact), and logp /
+    entropy float32[B, N] come out without a gradient."""
+    adv = jnp.broadcast_to(advantages[:, None].astype(jnp.float32), tokens.shape)
+    ref = jnp.zeros_like(old_logp) if ref_logp is None else ref_logp
+    ctx = (old_logp, ref, adv, grpo.token_weights(mask, cfg.agg, norm))
+    loss, logp, entropy = _fused(h, w, tokens, ctx, 1.0 / cfg.temperature, cfg, chunk)
+    return loss, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(entropy)

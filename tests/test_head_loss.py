@@ -1,0 +1,102 @@
+"""The GRPO loss fused into the vocabulary projection against autodiff of the plain
+expression: full logits, log_softmax, `grpo.grpo_loss`, no chunks, no custom gradient."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from car_jax import grpo
+from car_jax.head_loss import grpo_head_loss
+
+B, N, D, V = 3, 7, 5, 13
+
+
+def inputs(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.normal(size=(B, N, D)), dtype)
+    w = jnp.asarray(rng.normal(size=(D, V)), dtype)
+    y = jnp.asarray(rng.integers(0, V, size=(B, N)), jnp.int32)
+    old = jnp.asarray(rng.normal(-2.5, 0.6, size=(B, N)), jnp.float32)
+    ref = jnp.asarray(rng.normal(-2.5, 0.6, size=(B, N)), jnp.float32)
+    adv = jnp.asarray([1.3, -0.7, -2.0], jnp.float32)
+    mask = jnp.asarray(rng.uniform(size=(B, N)) < 0.8, jnp.float32)
+    return h, w, y, old, ref, adv, mask
+
+
+def plain_loss(h, w, y, old, ref, adv, mask, cfg, norm):
+    logits = jnp.einsum("bnd,dv->bnv", h.astype(jnp.float32), w.astype(jnp.float32)) / cfg.temperature
+    full = jax.nn.log_softmax(logits, axis=-1)
+    logp = jnp.take_along_axis(full, y[..., None], axis=-1)[..., 0]
+    ent = -(jnp.exp(full) * full).sum(-1)
+    return grpo.grpo_loss(logp, ent, old, ref, adv, mask, cfg, norm)[0], (logp, ent)
+
+
+CONFIGS = [grpo.LossConfig(agg="token-mean", kl_coef=0.05, kl_type="low_var_kl", entropy_coef=0.01),
+           grpo.LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, kl_type="k1", dual_clip=3.0, temperature=0.7),
+           grpo.LossConfig(agg="seq-mean-token-sum-norm", kl_coef=0.02, kl_type="k2", clip_high=0.28,
+                           entropy_coef=0.03),
+           grpo.LossConfig(agg="token-mean", kl_coef=0.0, kl_type="abs", dual_clip=2.0, temperature=1.3)]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 128])  # one position a chunk; 3 chunks with padding; one chunk
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.agg}-{c.kl_type}")
+def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk):
+    h, w, y, old, ref, adv, mask = inputs(jnp.float32)
+    # old log-probs near the policy's, so some ratios fall inside the clip range and some outside
+    _, (logp0, _) = plain_loss(h, w, y, old, ref, adv, mask, cfg, grpo.norm_of(mask))
+    old = logp0 + jnp.asarray(np.random.default_rng(1).normal(0, 0.3, size=(B, N)), jnp.float32)
+    norm = grpo.norm_of(mask)
+
+    def ours(h, w):
+        loss, logp, ent = grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, chunk=chunk)
+        return loss, (logp, ent)
+
+    def plain(h, w):
+        return plain_loss(h, w, y, old, ref, adv, mask, cfg, norm)
+
+    (l1, (lp1, e1)), g1 = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(h, w)
+    (l2, (lp2, e2)), g2 = jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)(h, w)
+    assert abs(float(l1) - float(l2)) <= 1e-6 * max(1.0, abs(float(l2)))
+    np.testing.assert_allclose(np.asarray(lp1), np.asarray(lp2), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(e1), np.asarray(e2), atol=1e-5)
+    for a, b in zip(g1, g2):
+        scale = float(jnp.abs(b).max())
+        assert scale > 1e-3
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * scale)
+    # the clip is active at some tokens and not at others (both branches are exercised)
+    ratio = np.exp(np.asarray(lp2 - old))
+    inside = (ratio > 1 - cfg.clip_low) & (ratio < 1 + cfg.clip_high)
+    assert inside.any() and (~inside).any()
+
+
+def test_bfloat16_gradient_within_rounding():
+    """bf16 operands: the logit gradient is rounded to 8 mantissa bits before the two
+    products, hence 2% (the reference sees the same rounded inputs, in float32)."""
+    cfg = CONFIGS[0]
+    h, w, y, old, ref, adv, mask = inputs(jnp.bfloat16, seed=2)
+    norm = grpo.norm_of(mask)
+    g1 = jax.grad(lambda h, w: grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, chunk=3)[0],
+                  argnums=(0, 1))(h, w)
+    g2 = jax.grad(lambda h, w: plain_loss(h, w, y, old, ref, adv, mask, cfg, norm)[0], argnums=(0, 1))(h, w)
+    for a, b in zip(g1, g2):
+        assert a.dtype == jnp.bfloat16
+        scale = float(jnp.abs(b.astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2 * scale)
+
+
+def test_logprobs_and_entropies_carry_no_gradient():
+    h, w, y, old, ref, adv, mask = inputs(jnp.float32)
+    cfg, norm = CONFIGS[0], grpo.norm_of(mask)
+    g = jax.grad(lambda h: grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm)[1].sum()
+                 + grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm)[2].sum())(h)
+    assert float(jnp.abs(g).max()) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_token_weights_reproduce_aggregate(mode):
+    rng = np.random.default_rng(4)
+    v = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
+    mask = jnp.asarray(rng.uniform(size=(4, 6)) < 0.6, jnp.float32).at[2].set(0.0)  # one empty row
+    norm = grpo.norm_of(mask)
+    want = float(grpo.aggregate(v, mask, mode, norm))
+    assert float((v * grpo.token_weights(mask, mode, norm)).sum()) == pytest.approx(want, rel=1e-6)

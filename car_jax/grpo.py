@@ -115,8 +115,9 @@ def token_weights(mask: jax.Array, mode: AggMode, norm: Norm) -> jax.Array:
 
 
 def _surrogate(logp, old_logp, adv, cfg: LossConfig):
-    """Per-token clipped surrogate (adv broadcast to logp's shape): (losses, log_ratio,
-    unclipped loss, clipped loss, loss before the dual clip)."""
+    """Per-token clipped surrogate, adv broadcast to logp's shape. Returns (losses, the
+    clamped log-ratio, -adv * ratio, -adv * clipped ratio, their max: the loss before
+    the dual clip)."""
     log_ratio = jnp.clip(logp - old_logp, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     ratio = jnp.exp(log_ratio)
     loss1 = -adv * ratio

@@ -3,9 +3,10 @@
 A batch is one GRPO mini-batch split into micro-batches (`batches.micro_batches`): M
 micro-batches of b response rows [M, b, R], each with its u distinct prompts [M, u, P]
 run once (`logprobs.response_hidden`), with the loss fused into the vocabulary projection
-(`head_loss`). Gradients of the micro-batches are summed in a `lax.scan`; the loss of each is normalised by the whole mini-batch's token / sequence
-counts (`grpo.Norm`), so the sum is exactly the mini-batch gradient. One optax update
-(AdamW, global-norm clipping, warmup then constant or cosine) follows.
+(`head_loss`). Gradients of the micro-batches are summed in a `lax.scan`; the loss of
+each is normalised by the whole mini-batch's token / sequence counts (`grpo.Norm`), so
+the sum is exactly the mini-batch gradient. One optax update (AdamW, global-norm
+clipping, warmup then constant or cosine) follows.
 """
 from __future__ import annotations
 
@@ -90,20 +91,22 @@ def state_shardings(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
+def _prompt_index(micro: Batch):
+    """The micro-batch's row -> prompt index, or None when prompts are positional (u == b)."""
+    return None if micro["prompt"].shape[0] == micro["tokens"].shape[0] else micro["prompt_index"]
+
+
 def micro_logprobs(module: Decoder, params, micro: Batch, temperature: float = 1.0, chunk: int = 128):
     """(logp, entropy) float32[b, R] of one micro-batch's responses (see BATCH_KEYS)."""
-    positional = micro["prompt"].shape[0] == micro["tokens"].shape[0]
     return response_logprobs(module, params, micro["prompt"], micro["prompt_valid"], micro["tokens"],
-                             micro["valid"], None if positional else micro["prompt_index"],
-                             temperature=temperature, chunk=chunk)
+                             micro["valid"], _prompt_index(micro), temperature=temperature, chunk=chunk)
 
 
 def _micro_loss(params, module: Decoder, micro: Batch, cfg: grpo.LossConfig, norm: grpo.Norm):
     """(loss, metrics) of one micro-batch: `grpo.grpo_loss` of its responses' log-probs,
     with the loss fused into the vocabulary projection (`head_loss`)."""
-    positional = micro["prompt"].shape[0] == micro["tokens"].shape[0]
     h = response_hidden(module, params, micro["prompt"], micro["prompt_valid"], micro["tokens"], micro["valid"],
-                        None if positional else micro["prompt_index"])
+                        _prompt_index(micro))
     loss, logp, entropy = grpo_head_loss(h, unembedding(module, params), micro["tokens"], micro["old_logp"],
                                          micro["ref_logp"], micro["advantages"], micro["mask"], cfg, norm)
     _, metrics = grpo.grpo_loss(logp, entropy, micro["old_logp"], micro["ref_logp"], micro["advantages"],

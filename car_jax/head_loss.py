@@ -6,8 +6,9 @@ forward pass here runs, chunk by chunk (`logprobs.to_chunks`): the logits, the l
 and entropy of the target, the per-token loss and its gradient, and from that the
 gradients w.r.t. the hidden states and the unembedding. The backward pass only scales
 them by the loss's cotangent. Autodiff through `logprobs.chunked_head` instead projects
-every position twice (forward, then again in the backward pass to get the softmax back)
-and exponentiates the logits twice; both passes still hold one chunk's logits [B*C, V].
+every position twice (forward, then again in the backward pass to get the softmax back;
+with a single chunk XLA merges the two itself). Both hold one chunk's logits [B*C, V]
+at a time.
 
 The log-probs and entropies come out under `stop_gradient` (for metrics): the gradient
 flows through the loss only.
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from car_jax import grpo
-from car_jax.logprobs import _stats, from_chunks, to_chunks
+from car_jax.logprobs import from_chunks, softmax_stats, to_chunks
 from car_jax.models.fused import dot32, transposed
 
 
@@ -30,7 +31,7 @@ def _chunk_grads(h, w, y, ctx, inv_t: float, cfg: grpo.LossConfig):
     """One chunk: h [N, D], w [D, V], y int32[N], ctx (old_logp, ref_logp, advantage,
     weight) float32[N] each -> (loss [], logp [N], entropy [N], dh [N, D], dw float32[D, V])."""
     old, ref, adv, weight = ctx
-    logp, entropy, lse, x = _stats(h, w, y, inv_t, keep=True)
+    logp, entropy, lse, x = softmax_stats(h, w, y, inv_t, keep=True)
     loss_of = lambda lp, ent: (weight * grpo.token_loss(lp, ent, old, ref, adv, cfg)).sum()  # noqa: E731
     loss, (g_lp, g_ent) = jax.value_and_grad(loss_of, argnums=(0, 1))(logp, entropy)
     # d logp_y / dx = onehot(y) - p;  d H / dx = -p (x - lse + H), with p = exp(x - lse)

@@ -28,7 +28,7 @@ def _logits(h, w, inv_t: float):
     return jnp.dot(h, w, preferred_element_type=jnp.float32) * inv_t
 
 
-def _stats(h, w, y, inv_t, keep: bool = False):
+def softmax_stats(h, w, y, inv_t, keep: bool = False):
     """(logp, entropy, lse) float32[N] of softmax(h @ w * inv_t) at targets y; with
     `keep`, also the logits x [N, V]."""
     x = _logits(h, w, inv_t)  # [N, V]
@@ -48,12 +48,12 @@ def _stats(h, w, y, inv_t, keep: bool = False):
 def head_stats(h: jax.Array, w: jax.Array, y: jax.Array, inv_t: float):
     """h [N, D] final hidden states, w [D, V] the unembedding, y int32[N] targets ->
     (logp, entropy) float32[N] of softmax(h @ w * inv_t)."""
-    logp, entropy, _ = _stats(h, w, y, inv_t)
+    logp, entropy, _ = softmax_stats(h, w, y, inv_t)
     return logp, entropy
 
 
 def _head_fwd(h, w, y, inv_t):
-    logp, entropy, lse = _stats(h, w, y, inv_t)
+    logp, entropy, lse = softmax_stats(h, w, y, inv_t)
     return (logp, entropy), (h, w, y, lse, entropy)
 
 

@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from car_jax import grpo
-from car_jax.logprobs import from_chunks, softmax_stats, to_chunks
-from car_jax.models.fused import dot32, transposed
+from car_jax.logprobs import from_chunks, head_grads, softmax_stats, to_chunks
 
 
 def _chunk_grads(h, w, y, ctx, inv_t: float, cfg: grpo.LossConfig):
@@ -34,14 +33,10 @@ def _chunk_grads(h, w, y, ctx, inv_t: float, cfg: grpo.LossConfig):
     logp, entropy, lse, x = softmax_stats(h, w, y, inv_t, keep=True)
     loss_of = lambda lp, ent: (weight * grpo.token_loss(lp, ent, old, ref, adv, cfg)).sum()  # noqa: E731
     loss, (g_lp, g_ent) = jax.value_and_grad(loss_of, argnums=(0, 1))(logp, entropy)
-    # d logp_y / dx = onehot(y) - p;  d H / dx = -p (x - lse + H), with p = exp(x - lse)
-    # (exponentiated again rather than kept from the forward: one [N, V] buffer less to read)
-    p = jnp.exp(x - lse[:, None])
-    onehot = jnp.arange(x.shape[-1], dtype=y.dtype)[None, :] == y[:, None]
-    d = jnp.where(onehot, g_lp[:, None], 0.0) - p * (g_lp[:, None] + g_ent[:, None] * (x - lse[:, None]
-                                                                                     + entropy[:, None]))
-    d = (d * inv_t).astype(h.dtype)  # the loss's gradient w.r.t. the raw logits [N, V]
-    return loss, logp, entropy, dot32(d, transposed(w)).astype(h.dtype), dot32(transposed(h), d)
+    # p = exp(x - lse) is exponentiated again inside rather than kept from the forward:
+    # one [N, V] buffer less to read
+    dh, dw = head_grads(h, w, y, x, lse, entropy, g_lp, g_ent, inv_t)
+    return loss, logp, entropy, dh, dw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

@@ -57,19 +57,23 @@ def _head_fwd(h, w, y, inv_t):
     return (logp, entropy), (h, w, y, lse, entropy)
 
 
-def _head_bwd(inv_t, res, g):
+def head_grads(h, w, y, x, lse, entropy, g_lp, g_ent, inv_t: float):
+    """Back through the head in closed form: given the logits x [N, V] (already scaled by
+    inv_t), lse and entropy [N] from `softmax_stats`, and the cotangents g_lp / g_ent [N]
+    of logp_y and the entropy, returns (dh [N, D] in h's dtype, dw float32[D, V])."""
     # d logp_y / dx = onehot(y) - p;  d H / dx = -p (x - lse + H), with p = exp(x - lse)
-    h, w, y, lse, entropy = res
-    g_lp, g_ent = g
-    x = _logits(h, w, inv_t)
     p = jnp.exp(x - lse[:, None])
     onehot = jnp.arange(x.shape[-1], dtype=y.dtype)[None, :] == y[:, None]
     d = jnp.where(onehot, g_lp[:, None], 0.0) - p * (g_lp[:, None] + g_ent[:, None] * (x - lse[:, None]
                                                                                      + entropy[:, None]))
     d = (d * inv_t).astype(h.dtype)  # gradient w.r.t. the raw logits [N, V]
     # in bf16 on CPU both products read explicit transposes (see `transposed`)
-    dh = dot32(d, transposed(w)).astype(h.dtype)
-    dw = dot32(transposed(h), d)
+    return dot32(d, transposed(w)).astype(h.dtype), dot32(transposed(h), d)
+
+
+def _head_bwd(inv_t, res, g):
+    h, w, y, lse, entropy = res
+    dh, dw = head_grads(h, w, y, _logits(h, w, inv_t), lse, entropy, *g, inv_t)
     return dh, dw.astype(w.dtype), None
 
 

@@ -2,16 +2,24 @@
 SmolLM2-135M-Instruct (CPU), same prompts, batch, group size, lengths, KL coef and
 reward, in one run on the same machine.
 
-    .venv/bin/python benchmarks/bench_grpo_step.py [--prompts 8] [--group 4] [--new 128]
+    .venv/bin/python benchmarks/bench_grpo_step.py [--prompts 8] [--group 4] [--new 128] [--steps 4]
 
 Both sides sample exactly --new tokens per completion (EOS suppressed), temperature 1,
 fp32 weights with --dtype compute (default float32; bfloat16 is torch autocast in TRL),
 beta / kl_coef 0.001 (so both run a reference forward), 4 gradient-accumulation
 micro-batches, one optimizer step per rollout. Needs `pip install trl==1.16.0` (the
-`bench` extra)."""
+`bench` extra).
+
+The steps are paired: car_jax compiles first (its step 0), then TRL trains for --steps
+steps and one car_jax step runs right after each TRL step, so both sides of a pair see
+the same state of the machine (a shared machine drifts by 10-30% over minutes). TRL's
+first step (warm-up) and its pair are left out; the ratio reported is the median over
+the other pairs.
+"""
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,7 +39,9 @@ def toy_reward(texts: list[str]) -> list[float]:
     return [float(any(c.isdigit() for c in t)) for t in texts]
 
 
-def car_jax_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, float]]:
+def car_jax_stepper(folder, args):
+    """Sets car_jax up; returns `step() -> (seconds, split)`, one GRPO step per call (the
+    first compiles)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -55,11 +65,13 @@ def car_jax_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, fl
                for q in QUESTIONS[: args.prompts]]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts for _ in range(args.group)]
     micro = len(ids) // 4
-    times, split = [], {}
-    for step in range(n_steps):
+    box = {"state": state, "step": 0}
+
+    def step() -> tuple[float, dict[str, float]]:
+        state, split = box["state"], {}
         start = time.perf_counter()
         policy = Model(model.config, state.params, model.module)
-        out = generate_ids(policy, tok, ids, max_new_tokens=args.new, sampler=Sampler(1.0), seed=step,
+        out = generate_ids(policy, tok, ids, max_new_tokens=args.new, sampler=Sampler(1.0), seed=box["step"],
                            eos=np.array([], np.int32))
         split["rollout"] = time.perf_counter() - start
         texts = [tok.decode(out.tokens[i]) for i in range(len(ids))]
@@ -73,8 +85,10 @@ def car_jax_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, fl
         state, metrics = step_fn(state, batch)
         jax.block_until_ready(state.params)
         split["update (4 micro-batches)"] = time.perf_counter() - mark
-        times.append(time.perf_counter() - start)
-    return times, split
+        box["state"], box["step"] = state, box["step"] + 1
+        return time.perf_counter() - start, split
+
+    return step
 
 
 def _timed_method(obj, name: str, log: list[float]) -> None:
@@ -93,7 +107,9 @@ def _timed_method(obj, name: str, log: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def trl_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, float]]:
+def trl_steps(folder, args, n_steps: int, after_step) -> tuple[list[float], dict[str, float]]:
+    """TRL's step times (and the last step's split); `after_step()` runs after each step,
+    outside its timed span."""
     import torch
     import transformers
     from datasets import Dataset
@@ -111,6 +127,7 @@ def trl_steps(folder, args, n_steps: int) -> tuple[list[float], dict[str, float]
 
         def on_step_end(self, a, s, c, **kw):
             stamps.append(time.perf_counter())
+            after_step()
 
     cfg = GRPOConfig(output_dir="/tmp/trl_bench", per_device_train_batch_size=args.prompts * args.group // 4,
                      gradient_accumulation_steps=4, num_generations=args.group,
@@ -140,24 +157,33 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="TRL steps; the first is warm-up and not compared")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="compute dtype on both sides (weights stay fp32): car_jax model.dtype, TRL bf16=True")
     args = ap.parse_args()
+    if args.steps < 2:
+        ap.error(f"--steps {args.steps}: at least 2 (TRL's first step is warm-up and is not compared)")
     from car_jax.run_default import default_model_dir
     folder = default_model_dir()
-    ours, split = car_jax_steps(folder, args, args.steps)
-    theirs, their_split = trl_steps(folder, args, args.steps)
+    car_jax_step = car_jax_stepper(folder, args)
+    first, _ = car_jax_step()  # compiles
+    ours: list[tuple[float, dict[str, float]]] = []
+    theirs, their_split = trl_steps(folder, args, args.steps, lambda: ours.append(car_jax_step()))
     import trl
     print(header(f"One GRPO step, SmolLM2-135M, {args.dtype} compute, {args.prompts} prompts x {args.group} "
                  f"generations x {args.new} new tokens", f"python benchmarks/bench_grpo_step.py --prompts {args.prompts} "
                  f"--group {args.group} --new {args.new} --steps {args.steps} --dtype {args.dtype}"))
-    print("| system | first step (s) | last step (s) |")
-    print("|---|---:|---:|")
-    print(f"| TRL {trl.__version__} `GRPOTrainer` (transformers generate + torch) | {theirs[0]:.1f} | {theirs[-1]:.1f} |")
-    print(f"| car_jax (jitted decode loop + jitted train step) | {ours[0]:.1f} (includes compile) | {ours[-1]:.1f} |")
-    print(f"\ncar_jax time / TRL time (last step): **{ours[-1] / theirs[-1]:.3f}**")
-    print("car_jax's last step: " + ", ".join(f"{k} {v:.1f} s" for k, v in split.items()))
+    print(f"car_jax's first step (with compiles): {first:.1f} s; TRL {trl.__version__}'s first step "
+          f"(warm-up, not compared): {theirs[0]:.1f} s\n")
+    print("| pair | TRL `GRPOTrainer` step (s) | car_jax step right after it (s) | car_jax / TRL |")
+    print("|---:|---:|---:|---:|")
+    ratios = []
+    for i in range(1, len(theirs)):
+        ratios.append(ours[i][0] / theirs[i])
+        print(f"| {i} | {theirs[i]:.1f} | {ours[i][0]:.1f} | {ratios[-1]:.3f} |")
+    print(f"\ncar_jax time / TRL time, median over {len(ratios)} pairs: **{statistics.median(ratios):.3f}** "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f})")
+    print("car_jax's last step: " + ", ".join(f"{k} {v:.1f} s" for k, v in ours[-1][1].items()))
     if their_split:
         print("TRL's last step: " + ", ".join(f"{k} {v:.1f} s" for k, v in their_split.items()))
 

@@ -73,13 +73,13 @@ def main() -> None:
 
     # the same runner with each turn's decode attending over the whole episode cache
     from car_jax.rollout import episode
-    windowed = episode.decode_window
-    episode.decode_window = lambda index, steps, capacity: 0
+    windowed = episode.decode_windows
+    episode.decode_windows = lambda index, steps, capacity: ()
     run_episodes(model, tok, prompts, tool, config=cfg, protocol=EveryLine())  # compile
     start = time.perf_counter()
     run_episodes(model, tok, prompts, tool, config=cfg, protocol=EveryLine())
     whole_s = time.perf_counter() - start
-    episode.decode_window = windowed
+    episode.decode_windows = windowed
 
     # baseline: every turn re-prefills prompt + history and decodes the same segment
     def resend():
@@ -107,7 +107,7 @@ def main() -> None:
     print(f"| re-send history each turn (car_jax generate per turn, row by row) | {base_tokens} | {base_s:.1f} |")
     print(f"| car_jax episode runner (cache kept across tool calls, batched) | {stats.prefilled_tokens} | "
           f"{ours_s:.1f} |")
-    print(f"| the same, each turn decoding over the whole episode cache (no `decode_window`) | "
+    print(f"| the same, each turn decoding over the whole episode cache (no `decode_windows`) | "
           f"{stats.prefilled_tokens} | {whole_s:.1f} |")
     print(f"\nprefill tokens ratio: **{base_tokens / stats.prefilled_tokens:.2f}x** fewer; mean turns per "
           f"episode {turns:.1f}; sampled tokens {stats.sampled_tokens}. The time column also includes decoding, "

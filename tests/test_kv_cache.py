@@ -95,43 +95,75 @@ def test_shared_prompt_prefill_equals_a_prefill_per_row(tmp_path):
     np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
 
 
-def test_windowed_decode_equals_decode_over_the_whole_cache(tmp_path):
-    """decode_segment(window=W) attends over the first W slots only and writes them back:
-    sampled tokens, their log-probs and the returned cache equal a decode over all S."""
+def test_staged_windowed_decode_equals_decode_over_the_whole_cache(tmp_path):
+    """decode_segment(windows=...) samples in stages over the first W_j slots only and
+    writes them back: sampled tokens, their log-probs and the returned cache equal one
+    decode over all S slots, for one window and for several stages (rows that stop
+    early, and rows that take no part, included)."""
     from car_jax.rollout.decode import decode_segment, prefill
-    from car_jax.rollout.generate import decode_window, left_pad
+    from car_jax.rollout.generate import decode_windows, left_pad
     from car_jax.rollout.sampling import Sampler
     build("qwen2", tmp_path)
     model = car_jax.load_model(tmp_path)
     rng = np.random.default_rng(3)
     tokens, valid = left_pad([list(rng.integers(0, 96, size=n)) for n in (7, 12, 3)], 16, 0)
-    capacity, steps = 200, 20
-    window = decode_window(16, steps, capacity)
-    assert window == 64  # the smallest bucket that holds 16 + 20 slots, well short of 200
+    capacity, steps = 200, 60
+    staged = decode_windows(16, steps, capacity)
+    assert staged == (64, 96)  # slots 17..64, then 65..76 (the 96 bucket), well short of 200
+    eos = jnp.asarray([40], jnp.int32)  # with this seed: row 0 stops in the first stage, row 1 does not
     tables = jnp.zeros((1, 1, model.config.vocab_size), jnp.int32)
     runs = []
-    for w in (0, window):
+    for windows in ((), (96,), staged):
         logits, cache = prefill(model.module, model.params, model.init_cache(3, capacity), jnp.asarray(tokens),
                                 jnp.asarray(valid))
         out, cache = decode_segment(model.module, Sampler(1.0), steps, model.params, cache, logits,
-                                    jnp.asarray([True, True, False]), jnp.zeros((0,), jnp.int32), tables,
-                                    jax.random.key(5), window=w)
+                                    jnp.asarray([True, True, False]), eos, tables, jax.random.key(5),
+                                    windows=windows)
         runs.append((out, cache))
-    (want, want_cache), (got, got_cache) = runs
-    assert got_cache.capacity == capacity
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-    np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(got_cache.valid), np.asarray(want_cache.valid))
-    np.testing.assert_array_equal(np.asarray(got_cache.next_pos), np.asarray(want_cache.next_pos))
-    assert int(got_cache.index) == int(want_cache.index) == 16 + steps
-    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    want, want_cache = runs[0]
+    lengths = np.asarray(want.length)
+    # row 0 stops in the first stage, row 1 runs through both, row 2 takes no part
+    assert lengths[0] < 64 - 16 and bool(want.stopped[0])
+    assert lengths[1] == steps and not bool(want.stopped[1]) and lengths[2] == 0
+    for got, got_cache in runs[1:]:
+        assert got_cache.capacity == capacity
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        np.testing.assert_array_equal(np.asarray(got.length), lengths)
+        np.testing.assert_array_equal(np.asarray(got.stopped), np.asarray(want.stopped))
+        np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(got_cache.valid), np.asarray(want_cache.valid))
+        np.testing.assert_array_equal(np.asarray(got_cache.next_pos), np.asarray(want_cache.next_pos))
+        assert int(got_cache.index) == int(want_cache.index)
+        for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-def test_decode_window_buckets_and_refuses_overflow():
-    from car_jax.rollout.generate import decode_window
-    assert decode_window(0, 64, 1000) == 64
-    assert decode_window(40, 60, 1000) == 128  # 100 slots: the 128 bucket (96 is too small)
-    assert decode_window(900, 64, 1000) == 1000  # capped at the capacity
+def test_decode_refuses_windows_that_do_not_increase(tmp_path):
+    from car_jax.rollout.decode import decode_segment
+    from car_jax.rollout.sampling import Sampler
+    build("qwen2", tmp_path)
+    model = car_jax.load_model(tmp_path)
+    cache = model.init_cache(1, 32)
+    logits = jnp.zeros((1, model.config.vocab_size))
+    tables = jnp.zeros((1, 1, model.config.vocab_size), jnp.int32)
+    for bad in ((16, 16), (16, 48)):
+        with pytest.raises(ValueError, match="must increase and end at most at the capacity 32"):
+            decode_segment(model.module, Sampler(), 4, model.params, cache, logits, jnp.ones(1, bool),
+                           jnp.zeros((0,), jnp.int32), tables, jax.random.key(0), windows=bad)
+
+
+def test_decode_windows_bucket_stage_and_refuse_overflow():
+    from car_jax.rollout.generate import decode_windows, length_bucket
+    assert decode_windows(0, 64, 1000) == (64,)
+    assert decode_windows(40, 60, 1000) == (64, 96, 128)  # slots 41..100 pass the 64, 96 and 128 buckets
+    assert decode_windows(40, 60, 1000, stages=1) == (128,)
+    assert decode_windows(48, 128, 176) == (64, 96, 128, 176)  # the last one capped at the capacity
+    assert decode_windows(900, 64, 1000) == (1000,)  # 901..964 all fall in the capped 1024 bucket
+    # a long segment: only the last 4 of its buckets, so at most 4 loops compile
+    windows = decode_windows(0, 4000, 5000)
+    assert windows == (1536, 2048, 3072, 4096)
+    assert all(length_bucket(w) == w for w in windows)
     with pytest.raises(ValueError, match="capacity 100"):
-        decode_window(50, 64, 100)
+        decode_windows(50, 64, 100)
+    with pytest.raises(ValueError, match="stages=0"):
+        decode_windows(0, 8, 100, stages=0)

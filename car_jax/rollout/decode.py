@@ -97,24 +97,36 @@ def loop_params(module: Decoder, params):
     return unstack_layers(jax.tree.map(lambda a: a.astype(module.dtype), params))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("window",), donate_argnums=(4,))
+def _grown(full: KVCache, part: KVCache | None, slots: int) -> KVCache:
+    """The first `slots` slots of `full` with the loop's cache `part` (its first slots)
+    written in: the loop's cache widened for the next stage."""
+    if part is not None and part.capacity < full.capacity:
+        full = put_prefix(full, part)
+    elif part is not None:
+        full = part
+    return full if slots >= full.capacity else prefix(full, slots)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("windows",), donate_argnums=(4,))
 def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, cache: KVCache,
-                   logits, active, eos_ids, tables, key, *, window: int = 0):
+                   logits, active, eos_ids, tables, key, *, windows: tuple[int, ...] = ()):
     """Samples up to `max_steps` tokens per active row.
 
     logits float32[B, V]: next-token logits after the prefill; active bool[B]: rows that
     take part; eos_ids int32[E]; tables int32[P, S, V] stop automata (see stops.py);
-    key: PRNG key. window: if 0 < window < S, the loop runs on the cache's first `window`
-    slots only (the caller guarantees index + max_steps <= window; see
-    `generate.decode_window`) and writes them back at the end: the same result, with each
-    step attending over W slots instead of S. Returns (SegmentOut, cache).
+    key: PRNG key. windows: increasing slot counts W_1 < ... < W_k (the caller guarantees
+    index + max_steps <= W_k <= S; see `generate.decode_windows`). The loop runs in
+    stages: stage j samples while the cache still has room in its first W_j slots and
+    attends over those only, so early tokens do not read the empty end of the cache; the
+    slots are written back at the end. The same result as one stage over all S slots
+    (the default, `()`), at less cost. Returns (SegmentOut, cache).
     Finished rows leave invalid holes in the cache; positions of the other rows are
     unaffected. A row that *stopped* has its last token pending (not in the cache); a row
     that ran out of budget has it written."""
     full = cache
-    windowed = 0 < window < cache.capacity
-    if windowed:
-        cache = prefix(cache, window)
+    windows = tuple(windows) or (cache.capacity,)
+    if list(windows) != sorted(set(windows)) or windows[-1] > cache.capacity:
+        raise ValueError(f"windows {windows} must increase and end at most at the capacity {cache.capacity}")
     b = logits.shape[0]
     n_pat = tables.shape[0]
     params = loop_params(module, params)
@@ -126,11 +138,11 @@ def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, ca
         eos=jnp.zeros((b,), bool),
         pattern=jnp.full((b,), -1, jnp.int32),
     )
-    state = _Loop(jnp.zeros((), jnp.int32), cache, logits, ~active,
-                  jnp.zeros((b, n_pat), jnp.int32), out, key)
+    state = _Loop(jnp.zeros((), jnp.int32), None, logits, ~active, jnp.zeros((b, n_pat), jnp.int32), out, key)
+    index = full.index
 
-    def cond(s: _Loop):
-        return (s.step < max_steps) & ~jnp.all(s.done)
+    def cond(s: _Loop, end):
+        return (s.step < end) & ~jnp.all(s.done)
 
     def body(s: _Loop):
         key, sub = jax.random.split(s.key)
@@ -153,5 +165,9 @@ def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, ca
         step_logits, cache = module.apply({"params": params}, tok[:, None], ~done[:, None], s.cache)
         return _Loop(s.step + 1, cache, step_logits[:, 0], done, dfa, out, key)
 
-    final = jax.lax.while_loop(cond, body, state)
-    return final.out, (put_prefix(full, final.cache) if windowed else final.cache)
+    for j, slots in enumerate(windows):
+        # the last stage runs to the budget; an earlier one while its slots have room
+        end = max_steps if j == len(windows) - 1 else jnp.minimum(slots - index, max_steps)
+        state = state._replace(cache=_grown(full, state.cache, slots))
+        state = jax.lax.while_loop(functools.partial(cond, end=end), body, state)
+    return state.out, _grown(full, state.cache, full.capacity)

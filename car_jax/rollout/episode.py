@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax.rollout.decode import decode_segment, prefill
-from car_jax.rollout.generate import decode_window, eos_ids, left_pad, prefill_prompts, prompt_texts, round_up
+from car_jax.rollout.generate import decode_windows, eos_ids, left_pad, prefill_prompts, prompt_texts, round_up
 from car_jax.rollout.protocols import ANSWER, INVALID, VOID, Action, SearchR1
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import stop_tables
@@ -118,10 +118,10 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
         final = turn == config.max_turns
         key, sub = jax.random.split(key)
         # attend over the slots this turn can reach, not the whole episode's cache
-        window = decode_window(int(cache.index), config.max_response_tokens, cache.capacity)
+        windows = decode_windows(int(cache.index), config.max_response_tokens, cache.capacity)
         out, cache = decode_segment(model.module, config.sampler, config.max_response_tokens, model.params,
                                     cache, logits, jnp.asarray(active),
-                                    eos, final_tables if final else tables, sub, window=window)
+                                    eos, final_tables if final else tables, sub, windows=windows)
         out = jax.tree.map(np.asarray, out)
         stats.seconds_device += time.perf_counter() - t0
 

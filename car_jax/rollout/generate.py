@@ -27,15 +27,25 @@ def length_bucket(n: int, smallest: int = 64) -> int:
     return size
 
 
-def decode_window(index: int, max_steps: int, capacity: int) -> int:
-    """The slots a decode segment that starts at slot `index` can reach, bucketed
-    (`length_bucket`: few shapes compile) and capped at the capacity. `decode_segment`
-    then attends over these only, not over the empty rest of a cache sized for a whole
-    multi-turn episode."""
+STAGES = 4  # at most this many decode stages (windows) per segment: each is one more loop to compile
+
+
+def decode_windows(index: int, max_steps: int, capacity: int, stages: int = STAGES) -> tuple[int, ...]:
+    """The slot windows of a decode segment of `max_steps` tokens that starts at slot
+    `index` (`decode_segment`'s `windows`): the `length_bucket` sizes its tokens pass
+    through (few shapes compile), capped at the capacity, at most the last `stages` of
+    them. The segment then attends over the slots it can reach, not over the empty rest
+    of a cache sized for a whole multi-turn episode, and its early tokens over fewer
+    slots than its last ones."""
     if index + max_steps > capacity:
         raise ValueError(f"a segment of {max_steps} tokens from slot {index} overflows the cache "
                          f"(capacity {capacity}); allocate at least {index + max_steps} slots")
-    return min(length_bucket(index + max_steps), capacity)
+    if stages < 1:
+        raise ValueError(f"stages={stages} must be >= 1")
+    sizes = [min(length_bucket(index + 1), capacity)]
+    while sizes[-1] < index + max_steps:
+        sizes.append(min(length_bucket(sizes[-1] + 1), capacity))
+    return tuple(sizes[-stages:])
 
 
 def prompt_texts(tokenizer, prompts: Sequence) -> list[str]:
@@ -89,9 +99,10 @@ def prefill_prompts(model, prompt_ids: Sequence[Sequence[int]], extra: int, pad_
 
 def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
                  sampler: Sampler = Sampler(), stop: Sequence = (), seed: int = 0,
-                 eos: np.ndarray | None = None) -> SegmentOut:
+                 eos: np.ndarray | None = None, stages: int = STAGES) -> SegmentOut:
     """Token-level generation for prompts given as id lists; returns the SegmentOut
-    (sampled ids, recorded log-probs, lengths, stop flags) as numpy arrays."""
+    (sampled ids, recorded log-probs, lengths, stop flags) as numpy arrays. The decode
+    loop runs in up to `stages` stages of growing cache windows (`decode_windows`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     logits, cache, _ = prefill_prompts(model, prompt_ids, max_new_tokens, tokenizer.pad_token_id or 0)
@@ -99,7 +110,8 @@ def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_n
     eos = eos_ids(model, tokenizer) if eos is None else eos
     active = jnp.asarray([len(p) > 0 for p in prompt_ids])
     out, _ = decode_segment(model.module, sampler, max_new_tokens, model.params, cache, logits,
-                            active, jnp.asarray(eos), tables, jax.random.key(seed))
+                            active, jnp.asarray(eos), tables, jax.random.key(seed),
+                            windows=decode_windows(int(cache.index), max_new_tokens, cache.capacity, stages))
     return SegmentOut(*(np.asarray(x) for x in out))
 
 

@@ -155,6 +155,7 @@ def test_decode_refuses_windows_that_do_not_increase(tmp_path):
 def test_decode_windows_bucket_stage_and_refuse_overflow():
     from car_jax.rollout.generate import decode_windows, length_bucket
     assert decode_windows(0, 64, 1000) == (64,)
+    assert decode_windows(40, 60, 1000) == decode_windows(40, 60, 1000, stages=4)  # the CPU default
     assert decode_windows(40, 60, 1000) == (64, 96, 128)  # slots 41..100 pass the 64, 96 and 128 buckets
     assert decode_windows(40, 60, 1000, stages=1) == (128,)
     assert decode_windows(48, 128, 176) == (64, 96, 128, 176)  # the last one capped at the capacity

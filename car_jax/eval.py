@@ -191,6 +191,36 @@ def format_table(summary: dict) -> str:
     return "\n".join([head] + [f"{k.ljust(width)}  {v}" for k, v in rows])
 
 
+COMPARE_ROWS = (("accuracy", "accuracy"), ("ECE", "ece"), ("MCIP", "mcip"), ("AUROC", "auroc"),
+                ("Brier", "brier"), ("mean confidence", "mean_confidence"), ("format valid", "format_rate"),
+                ("mean tool calls", "mean_tool_calls"))
+
+
+def compare_table(summaries: dict[str, dict]) -> str:
+    """One text table with a column per summary ({column label: summary}), a row per metric
+    (accuracy, ECE, MCIP, AUROC, Brier, mean confidence, format valid, mean tool calls), and
+    the last column minus the first. Undefined values (AUROC of a one-class set) print n/a."""
+    labels = list(summaries)
+
+    def value(summary, key):
+        v = summary.get(key)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+    head = ["metric", *labels] + (["change"] if len(labels) > 1 else [])
+    body = []
+    for name, key in COMPARE_ROWS:
+        vals = [value(summaries[label], key) for label in labels]
+        cells = ["n/a" if v is None else f"{v:.3f}" for v in vals]
+        if len(labels) > 1:
+            first, last = vals[0], vals[-1]
+            cells.append("n/a" if first is None or last is None else f"{last - first:+.3f}")
+        body.append([name, *cells])
+    body.append(["examples", *(str(summaries[label]["n"]) for label in labels)] + ([""] if len(labels) > 1 else []))
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
+
+
 # ---------------------------------------------------------------- the loop
 def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "search",
              tools: dict | None = None, episode_config: EpisodeConfig = EVAL_EPISODE,

@@ -60,7 +60,7 @@ def _run(args) -> int:
     import car_jax
     from car_jax.config import load_config
     from car_jax.data import load_dataset
-    from car_jax.eval import format_table
+    from car_jax.eval import compare_table, format_table
     from car_jax.rollout.generate import generate
     from car_jax.train import train
     from car_jax.train_config import TrainConfig
@@ -95,5 +95,11 @@ def _run(args) -> int:
 
     after = _evaluate(out / "train" / "hf", dev, out / "eval_car", "car_jax CAR policy")
     print(format_table(after))
-    print(f"\nrun folder: {out} (metrics.jsonl, TensorBoard, checkpoints, reliability.png in each eval folder)")
+    print(f"\n== before / after CAR training ({before['n']} world dev questions, search agent) ==")
+    print(compare_table({"base": before, "CAR": after}))
+    print(f"\nrun folder:           {out}")
+    print(f"training metrics:     {out / 'train' / 'metrics.jsonl'} (SFT: {out / 'train' / 'sft' / 'metrics.jsonl'})")
+    print(f"TensorBoard logs:     {out / 'train' / 'tb'}   (tensorboard --logdir {out / 'train' / 'tb'})")
+    print(f"reliability diagrams: {out / 'eval_base' / 'reliability.png'}, {out / 'eval_car' / 'reliability.png'}")
+    print(f"trained policy:       {out / 'train' / 'hf'} (HF folder; checkpoints in {out / 'train' / 'checkpoints'})")
     return 0

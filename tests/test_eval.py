@@ -238,3 +238,18 @@ def test_read_samples_of_a_missing_file_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         ev.read_samples(missing)
     assert ev.read_samples(missing, missing_ok=True) == []
+
+
+def test_compare_table_puts_each_metric_beside_its_change():
+    before = {"n": 8, "accuracy": 0.25, "ece": 0.40, "mcip": float("nan"), "auroc": None, "brier": 0.30,
+              "mean_confidence": 0.65, "format_rate": 0.5, "mean_tool_calls": 1.0}
+    after = {**before, "accuracy": 0.5, "ece": 0.125, "auroc": 0.75, "mean_tool_calls": 1.5}
+    lines = ev.compare_table({"base": before, "CAR": after}).splitlines()
+    assert lines[0].split() == ["metric", "base", "CAR", "change"]
+    rows = {" ".join(line.split()[:-3]): line.split()[-3:] for line in lines[2:] if len(line.split()) >= 4}
+    assert rows["accuracy"] == ["0.250", "0.500", "+0.250"]
+    assert rows["ECE"] == ["0.400", "0.125", "-0.275"]
+    assert rows["AUROC"] == ["n/a", "0.750", "n/a"]  # undefined before: no change either
+    assert rows["MCIP"] == ["n/a", "n/a", "n/a"]  # NaN counts as undefined
+    assert rows["mean tool calls"] == ["1.000", "1.500", "+0.500"]
+    assert lines[-1].split() == ["examples", "8", "8"]

@@ -47,12 +47,12 @@ def car_jax_stepper(folder, args):
     import numpy as np
 
     import car_jax
-    from car_jax import grpo
+    from car_jax.rl import grpo
     from car_jax.models.api import Model
     from car_jax.rollout.generate import generate_ids
     from car_jax.rollout.sampling import Sampler
-    from car_jax.batches import chunked_logprobs, micro_batches, single_turn_arrays
-    from car_jax.train_step import OptimConfig, init_state, make_logprob_fn, make_optimizer, make_train_step
+    from car_jax.rl.batches import chunked_logprobs, micro_batches, single_turn_arrays
+    from car_jax.rl.steps import OptimConfig, init_state, make_logprob_fn, make_optimizer, make_train_step
 
     model = car_jax.load_model(folder, progress=False, dtype=args.dtype, param_dtype="float32")
     tok = car_jax.load_tokenizer(folder)
@@ -163,7 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: at least 2 (TRL's first step is warm-up and is not compared)")
-    from car_jax.run_default import default_model_dir
+    from car_jax.cli.run import default_model_dir
     folder = default_model_dir()
     car_jax_step = car_jax_stepper(folder, args)
     first, _ = car_jax_step()  # compiles

@@ -29,9 +29,9 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from car_jax import grpo
-    from car_jax.head_loss import grpo_head_loss
-    from car_jax.logprobs import chunked_head
+    from car_jax.rl import grpo
+    from car_jax.rl.head_loss import grpo_head_loss
+    from car_jax.rl.logprobs import chunked_head
 
     d, v, b = 576, 49152, args.rows
     cfg = grpo.LossConfig(kl_coef=0.001)

@@ -6,7 +6,7 @@ Prints a markdown table: best-of-`repeats` wall time per operation, the numpy / 
 (> 1: car_jax faster), and the largest absolute difference from a float64 reference (for
 AUROC: from sklearn). The jitted
 side is timed on arrays already on the device, after one warm-up call (compilation excluded);
-the "calibration, host" row is `car_jax.metrics.calibration` end to end from numpy inputs
+the "calibration, host" row is `car_jax.calibration.metrics.calibration` end to end from numpy inputs
 (validation, transfer, jitted math, back to Python floats).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
-from car_jax import metrics, rewards
+from car_jax.calibration import metrics, rewards
 
 
 # ------------------------------------------------------------------ numpy peers

@@ -17,8 +17,8 @@ _EXPORTS = {
     "Model": ("car_jax.models.api", "Model"),
     "ModelConfig": ("car_jax.models.config", "ModelConfig"),
     "make_mesh": ("car_jax.sharding", "make_mesh"),
-    "rewards": ("car_jax.rewards", None),
-    "metrics": ("car_jax.metrics", None),
+    "rewards": ("car_jax.calibration.rewards", None),
+    "metrics": ("car_jax.calibration.metrics", None),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from car_jax import parsing
+from car_jax.calibration import parsing
 from car_jax.data import (
     TEMPLATES,
     DatasetError,

@@ -1,4 +1,4 @@
-"""`car_jax.eval.evaluate` and `car-jax eval`: files, fields, metrics, resume."""
+"""`car_jax.eval.runner.evaluate` and `car-jax eval`: files, fields, metrics, resume."""
 import dataclasses
 import json
 import math
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import car_jax
-import car_jax.eval as ev
-from car_jax import metrics
+import car_jax.eval.runner as ev
+from car_jax.calibration import metrics
 from car_jax.assets import smollm2_gguf
 from car_jax.data import QAExample, load_dataset, world_retriever
 from car_jax.rollout.episode import Trajectory

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from car_jax import grpo
+from car_jax.rl import grpo
 
 RNG = np.random.default_rng(0)
 

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from car_jax import grpo
-from car_jax.head_loss import grpo_head_loss
+from car_jax.rl import grpo
+from car_jax.rl.head_loss import grpo_head_loss
 
 B, N, D, V = 3, 7, 5, 13
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from car_jax import metrics, plots
+from car_jax.calibration import metrics, plots
 
 # Sums run in float32 inside jit; references are float64. For B <= 4096 the float32 rounding
 # of means of numbers in [0, 1] stays below 1e-6.

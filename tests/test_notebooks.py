@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from nbclient import NotebookClient
 
-from car_jax import metrics
+from car_jax.calibration import metrics
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 KERNEL = "car-jax-test"

@@ -1,7 +1,7 @@
 """Host parsing: answer / confidence extraction, the format chain, EM / F1 / math equivalence."""
 import pytest
 
-from car_jax import parsing
+from car_jax.calibration import parsing
 
 GOOD = (
     "<think>I should look it up.</think>\n<search>capital of France</search>\n"

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from car_jax import rewards
+from car_jax.calibration import rewards
 
 Q = np.array([0.0, 0.3, 1.0], np.float32)
 ALL_OK = np.ones(3, bool)

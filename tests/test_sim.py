@@ -1,4 +1,4 @@
-"""car_jax.sim: GRPO advantages, q*, the policy's probabilities, determinism, and what the toy
+"""car_jax.calibration.sim: GRPO advantages, q*, the policy's probabilities, determinism, and what the toy
 simulation shows (properties a broken update or reward wiring would fail)."""
 import dataclasses
 
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from car_jax import grpo, rewards, sim
+from car_jax.rl import grpo
+from car_jax.calibration import rewards, sim
 
 # Small but long enough for the confidence head to move: compile time dominates anyway.
 CFG = sim.SimConfig(n_questions=128, prompts_per_step=32, steps=200)
@@ -113,7 +114,7 @@ def test_b1_above_b2_is_overconfident(family):
 
 
 def test_run_family_matches_a_single_run(family):
-    """Row 0 of the vmapped run is the single run under car_jax.rewards.mscr."""
+    """Row 0 of the vmapped run is the single run under car_jax.calibration.rewards.mscr."""
     hist, final = family["grpo"]
     _, single_hist, single = sim.run(CFG, MSCR, KEY)
     for name in ("accuracy", "ece", "mean_confidence", "attempt_rate"):

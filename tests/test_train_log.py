@@ -1,4 +1,4 @@
-"""car_jax.train_log: JSONL metrics, TensorBoard scalars, progress bar, phase timer."""
+"""car_jax.train.log: JSONL metrics, TensorBoard scalars, progress bar, phase timer."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from car_jax.train_log import METRICS_FILE, MetricsLogger, Timer, read_metrics
+from car_jax.train.log import METRICS_FILE, MetricsLogger, Timer, read_metrics
 
 
 def _tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
@@ -114,7 +114,7 @@ def test_progress_bar_tracks_steps(tmp_path):
 
 def test_timer_accumulates_and_resets(monkeypatch):
     clock = iter([0.0, 1.0, 3.0, 3.5, 4.0, 10.0, 10.0, 12.0, 12.5, 20.0, 25.0])
-    monkeypatch.setattr("car_jax.train_log.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("car_jax.train.log.time.perf_counter", lambda: next(clock))
     timer = Timer()  # start at 0
     with timer("rollout"):  # 1 -> 3
         pass

@@ -4,7 +4,7 @@ Each template is a system message (the rules) and a user message (`{question}` f
 `make_prompt(example, "search" | "direct" | "tir" | PromptTemplate) -> [system, user]` chat
 messages for `run_episodes`.
 
-The layouts match what the parsers check (`car_jax.parsing.check_format`):
+The layouts match what the parsers check (`car_jax.calibration.parsing.check_format`):
     search  <think>..</think> (<search>q</search> <information>..</information> <think>..</think>)*
             <answer>a</answer> <confidence>n</confidence>
     direct  <think>..</think> <answer>a</answer> <confidence>n</confidence>

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from car_jax import metrics, rewards
+from car_jax.calibration import metrics, rewards
 
 # (correct bool[B], q f32[B]) -> r f32[B]: a reward with the format always valid.
 OutcomeReward = Callable[[jax.Array, jax.Array], jax.Array]

@@ -22,8 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from car_jax import grpo
-from car_jax.logprobs import from_chunks, head_grads, softmax_stats, to_chunks
+from car_jax.rl import grpo
+from car_jax.rl.logprobs import from_chunks, head_grads, softmax_stats, to_chunks
 
 
 def _chunk_grads(h, w, y, ctx, inv_t: float, cfg: grpo.LossConfig):

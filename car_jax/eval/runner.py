@@ -8,7 +8,7 @@ Modes (prompt template, action protocol, tool):
             tool "search"
     direct  no-tool prompt, the same protocol with `max_turns=0`: one segment, no tool
     tir     TIR prompt, `TIR()` protocol, tool "code" (the Python sandbox); math examples only
-Scoring (`car_jax.rewards.reward_inputs`, with each example's task): "qa" = exact match of the
+Scoring (`car_jax.calibration.rewards.reward_inputs`, with each example's task): "qa" = exact match of the
 last <answer>, format = the full tag chain; "math" = math-verify on the last <answer> or
 \\boxed{}, format = the confidence parses. A missing confidence counts as q = 0.
 
@@ -16,7 +16,7 @@ Files written to `out_dir`:
     samples.jsonl    one line per example, appended as each batch finishes (fsync'd), so a
                      crash loses at most the batch in flight; `resume=True` skips ids already
                      there (a torn last line from a crash is cut off first)
-    summary.json     metrics (`car_jax.metrics.calibration`) over all examples, percentile
+    summary.json     metrics (`car_jax.calibration.metrics.calibration`) over all examples, percentile
                      bootstrap 95% intervals, mean turns / tool calls, format-valid rate,
                      per-kind breakdown; NaN (undefined AUROC / MCIP) is written as null
     reliability.png  reliability diagram
@@ -34,10 +34,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from car_jax import metrics, parsing
+from car_jax.calibration import metrics, parsing
 from car_jax.data.examples import QAExample
 from car_jax.data.prompts import make_prompt
-from car_jax.rewards import reward_inputs
+from car_jax.calibration.rewards import reward_inputs
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
 from car_jax.rollout.protocols import TIR, car_search
 from car_jax.rollout.sampling import Sampler
@@ -143,7 +143,7 @@ def _num(x):
 
 
 def summarize(samples: Sequence[dict], n_boot: int = 1000, seed: int = 0) -> dict:
-    """Sample records -> the summary dict (metric names of `car_jax.metrics.KEYS` at top level)."""
+    """Sample records -> the summary dict (metric names of `car_jax.calibration.metrics.KEYS` at top level)."""
     c = np.array([s["correct"] for s in samples], bool)
     q = np.array([s["confidence"] for s in samples], np.float32)
     with warnings.catch_warnings(record=True) as caught:
@@ -293,7 +293,7 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
                                   "max_obs_tokens": config.max_obs_tokens,
                                   "sampler": dataclasses.asdict(config.sampler)}}
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    from car_jax.plots import reliability_diagram
+    from car_jax.calibration.plots import reliability_diagram
 
     c = [s["correct"] for s in samples]
     q = [s["confidence"] for s in samples]

@@ -10,11 +10,11 @@ import sys
 
 # modules that contribute sub-commands, imported only when the CLI starts
 COMMAND_MODULES = (
-    "car_jax.checkpoints.commands",  # convert
-    "car_jax.run_default",  # run
-    "car_jax.tools.commands",  # build-index, serve-retriever
-    "car_jax.train_commands",  # train
-    "car_jax.eval_commands",  # eval
+    "car_jax.cli.convert",  # convert
+    "car_jax.cli.run",  # run
+    "car_jax.cli.tools",  # build-index, serve-retriever
+    "car_jax.cli.train",  # train
+    "car_jax.cli.eval",  # eval
 )
 
 

@@ -47,7 +47,7 @@ def default_model_dir():
 def _evaluate(folder, examples, out_dir: Path, label: str) -> dict:
     import car_jax
     from car_jax.data import world_retriever
-    from car_jax.eval import EVAL_EPISODE, evaluate
+    from car_jax.eval.runner import EVAL_EPISODE, evaluate
 
     episode = dataclasses.replace(EVAL_EPISODE, max_turns=2, max_response_tokens=64, max_obs_tokens=256)
     print(f"\n== evaluating {label} on {len(examples)} world dev questions (search agent) ==")
@@ -60,10 +60,10 @@ def _run(args) -> int:
     import car_jax
     from car_jax.config import load_config
     from car_jax.data import load_dataset
-    from car_jax.eval import compare_table, format_table
+    from car_jax.eval.runner import compare_table, format_table
     from car_jax.rollout.generate import generate
-    from car_jax.train import train
-    from car_jax.train_config import TrainConfig
+    from car_jax.train.trainer import train
+    from car_jax.train.config import TrainConfig
 
     folder = default_model_dir()
     model = car_jax.load_model(folder)

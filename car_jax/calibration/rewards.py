@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from car_jax import parsing
+from car_jax.calibration import parsing
 
 RewardFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -122,7 +122,7 @@ class RewardInputs(NamedTuple):
 def reward_inputs(
     responses: Sequence[str], golds: Sequence[Sequence[str]], task: Literal["qa", "math"] = "qa"
 ) -> RewardInputs:
-    """Parses B response texts (response part only, see `car_jax.parsing`) against their golds.
+    """Parses B response texts (response part only, see `car_jax.calibration.parsing`) against their golds.
 
     task "qa" (search agent): correct = SQuAD exact match of the last `<answer>` against any
     gold (no answer -> wrong); format_ok = the full `parsing.check_format` chain.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from car_jax import grpo
+from car_jax.rl import grpo
 from car_jax.rollout.decode import SegmentOut
 from car_jax.rollout.episode import Trajectory
 from car_jax.rollout.generate import left_pad, length_bucket

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 
 import car_jax
 from car_jax.models.api import Model
-from car_jax.rewards import reward_fn
+from car_jax.calibration.rewards import reward_fn
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.protocols import TIR, SearchR1, car_search
 from car_jax.rollout.sampling import Sampler
-from car_jax.train_config import TrainConfig
-from car_jax.train_step import (TrainState, init_state, make_logprob_fn, make_optimizer, make_train_step,
+from car_jax.train.config import TrainConfig
+from car_jax.rl.steps import (TrainState, init_state, make_logprob_fn, make_optimizer, make_train_step,
                                 state_shardings)
 
 
@@ -49,7 +49,7 @@ PROTOCOLS = {"car_search": car_search, "search_r1": SearchR1, "tir": TIR}
 def build_setup(cfg: TrainConfig) -> Setup:
     path = cfg.model.path
     if not path:
-        from car_jax.run_default import default_model_dir
+        from car_jax.cli.run import default_model_dir
         path = str(default_model_dir())
     devices = jax.devices()[: cfg.mesh.devices or None]
     mesh = car_jax.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp, devices) if len(devices) > 1 else None

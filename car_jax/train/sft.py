@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from car_jax.parsing import normalize_answer
+from car_jax.calibration.parsing import normalize_answer
 from car_jax.rollout.episode import Trajectory
 from car_jax.rollout.generate import prompt_texts
 
@@ -75,7 +75,7 @@ def run_sft(state, step_fn, trajs: list[Trajectory], *, steps: int, batch: int, 
     """`steps` SFT updates of `batch` trajectories each (cycling through a shuffle); with
     `share`, trajectories with the same prompt run it once (`batches.micro_batches`;
     False on a mesh). Returns (state, losses)."""
-    from car_jax.batches import batch_arrays, micro_batches
+    from car_jax.rl.batches import batch_arrays, micro_batches
 
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(trajs))

@@ -5,14 +5,14 @@ import os
 
 import numpy as np
 
-from car_jax import metrics
+from car_jax.calibration import metrics
 
 
 def reliability_diagram(correct, confidence, path: str | os.PathLike, n_bins: int = 10,
                         title: str | None = None) -> str:
     """Writes a PNG reliability diagram of bool[B] correctness against float[B] confidence.
 
-    Bars: accuracy per confidence bin (car_jax's bins, see `car_jax.metrics`), with the gap to
+    Bars: accuracy per confidence bin (car_jax's bins, see `car_jax.calibration.metrics`), with the gap to
     the bin's mean confidence shaded and the bin count written above each bar; the diagonal is
     perfect calibration; ECE and B go in the title. Empty bins draw no bar. Returns the path.
     """

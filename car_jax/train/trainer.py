@@ -20,17 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from car_jax import grpo, metrics as cal
-from car_jax.batches import batch_arrays, chunked_logprobs, micro_batches
+from car_jax.rl import grpo
+from car_jax.calibration import metrics as cal
+from car_jax.rl.batches import batch_arrays, chunked_logprobs, micro_batches
 from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
 from car_jax.config import save_config
 from car_jax.data import load_dataset, make_prompt
 from car_jax.models.api import Model
-from car_jax.rewards import reward_inputs
+from car_jax.calibration.rewards import reward_inputs
 from car_jax.rollout.episode import EpisodeStats, run_episodes
-from car_jax.train_config import TrainConfig
-from car_jax.train_log import MetricsLogger, Timer
-from car_jax.train_setup import Setup, build_setup
+from car_jax.train.config import TrainConfig
+from car_jax.train.log import MetricsLogger, Timer
+from car_jax.train.setup import Setup, build_setup
 
 
 class Trainer:
@@ -56,8 +57,8 @@ class Trainer:
     def warm_start(self):
         """SFT on the configured demonstrations; the result becomes both the RL starting
         policy and (with KL) the reference. Its losses go to sft_metrics.jsonl."""
-        from car_jax.sft import read_demos, run_sft, tokenize_demos, world_demos
-        from car_jax.train_step import OptimConfig, init_state, make_optimizer, make_sft_step
+        from car_jax.train.sft import read_demos, run_sft, tokenize_demos, world_demos
+        from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step
 
         cfg, s = self.cfg, self.s
         if cfg.sft.data == "world":

@@ -20,9 +20,9 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from car_jax import grpo
-from car_jax.head_loss import grpo_head_loss
-from car_jax.logprobs import response_hidden, response_logprobs, unembedding
+from car_jax.rl import grpo
+from car_jax.rl.head_loss import grpo_head_loss
+from car_jax.rl.logprobs import response_hidden, response_logprobs, unembedding
 from car_jax.models.decoder import Decoder, cpu_layer_loop, stack_layers
 
 Batch = dict[str, jax.Array]

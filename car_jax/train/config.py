@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from car_jax.grpo import LossConfig
-from car_jax.rewards import RewardConfig
-from car_jax.train_step import OptimConfig
+from car_jax.rl.grpo import LossConfig
+from car_jax.calibration.rewards import RewardConfig
+from car_jax.rl.steps import OptimConfig
 
 
 @dataclasses.dataclass(frozen=True)

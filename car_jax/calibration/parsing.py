@@ -1,7 +1,7 @@
 """Host-side parsing of a trajectory's response text: answer, confidence, format, correctness.
 
 Everything here is plain Python on strings (the host side of DESIGN.md's host/device line);
-the jitted reward math lives in `car_jax.rewards`.
+the jitted reward math lives in `car_jax.calibration.rewards`.
 
 What text these functions expect (car_jax's decision): **the response part only** -- the
 model-generated tokens plus the tool observations spliced in between them, decoded with special

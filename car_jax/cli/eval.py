@@ -6,7 +6,7 @@
     car-jax eval --mode tir --data math500.jsonl --out runs/tir
     car-jax eval ... --resume                         # continue a run that stopped
 
-The logic lives in `car_jax.eval`; this module only turns flags into its arguments.
+The logic lives in `car_jax.eval.runner`; this module only turns flags into its arguments.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def register(sub) -> None:
 
 def _load(args):
     import car_jax
-    from car_jax.run_default import default_model_dir
+    from car_jax.cli.run import default_model_dir
 
     model_path = Path(args.model) if args.model else default_model_dir()
     if not model_path.exists():
@@ -82,7 +82,7 @@ def _tools(args) -> tuple[dict, str, list]:
 
 def eval_command(args) -> int:
     from car_jax.data import load_dataset
-    from car_jax.eval import EVAL_EPISODE, evaluate, format_table
+    from car_jax.eval.runner import EVAL_EPISODE, evaluate, format_table
     from car_jax.rollout.episode import EpisodeConfig
 
     examples = load_dataset(args.data, split=args.split, limit=args.limit)

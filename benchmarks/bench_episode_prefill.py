@@ -52,7 +52,7 @@ def main() -> None:
     from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
     from car_jax.rollout.generate import generate_ids
     from car_jax.rollout.sampling import Sampler
-    from car_jax.cli.run import default_model_dir
+    from car_jax.checkpoints.embedded import default_model_dir
 
     folder = default_model_dir()
     model = car_jax.load_model(folder, progress=False)

@@ -32,7 +32,7 @@ def main() -> None:
 
     import car_jax
     from car_jax.rollout.generate import eos_ids, generate_ids
-    from car_jax.cli.run import default_model_dir
+    from car_jax.checkpoints.embedded import default_model_dir
 
     folder = default_model_dir()
     tok = car_jax.load_tokenizer(folder)

@@ -163,7 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: at least 2 (TRL's first step is warm-up and is not compared)")
-    from car_jax.cli.run import default_model_dir
+    from car_jax.checkpoints.embedded import default_model_dir
     folder = default_model_dir()
     car_jax_step = car_jax_stepper(folder, args)
     first, _ = car_jax_step()  # compiles

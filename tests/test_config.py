@@ -6,8 +6,15 @@ from typing import Any, Literal
 
 import pytest
 
-from car_jax.config import (ConfigError, apply_overrides, build_config, dump_config,
-                            load_config, parse_yaml, save_config)
+from car_jax.config import (
+    ConfigError,
+    apply_overrides,
+    build_config,
+    dump_config,
+    load_config,
+    parse_yaml,
+    save_config,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,8 +99,8 @@ def test_cpu_config_is_small():
 def test_tiny_config_trains(tmp_path):
     from car_jax.assets import smollm2_gguf
     from car_jax.models.api import load_tokenizer
-    from car_jax.train.trainer import train
     from car_jax.train.log import read_metrics
+    from car_jax.train.trainer import train
     from tests.hf_factory import build
 
     folder = tmp_path / "tiny"

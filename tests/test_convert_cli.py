@@ -37,6 +37,7 @@ def test_convert_gguf_to_hf(tmp_path):
 
 def test_convert_rejects_unknown_source(tmp_path):
     import pytest
+
     from car_jax.checkpoints.safetensors_io import CheckpointError
     with pytest.raises(CheckpointError, match="not a .gguf file"):
         main(["convert", "--src", str(tmp_path), "--dst", str(tmp_path / "x")])

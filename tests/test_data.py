@@ -12,10 +12,10 @@ from car_jax.data import (
     QAExample,
     load_dataset,
     make_prompt,
+    world_gen,
     world_index,
     world_paths,
 )
-from car_jax.data import world_gen
 from car_jax.tools.index import load_retriever
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"

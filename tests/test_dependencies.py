@@ -8,8 +8,9 @@ import ast
 import importlib.metadata as md
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "car_jax"

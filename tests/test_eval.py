@@ -8,8 +8,8 @@ import pytest
 
 import car_jax
 import car_jax.eval.runner as ev
-from car_jax.calibration import metrics
 from car_jax.assets import smollm2_gguf
+from car_jax.calibration import metrics
 from car_jax.data import QAExample, load_dataset, world_retriever
 from car_jax.rollout.episode import Trajectory
 from tests.hf_factory import build

@@ -3,14 +3,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import car_jax
-from car_jax.assets import qwen_tokenizer, smollm2_gguf
+from car_jax.assets import smollm2_gguf
 from car_jax.rollout.generate import generate, generate_ids
 from car_jax.rollout.sampling import Sampler, truncate
 from car_jax.rollout.stops import STOP, matches, stop_tables, token_texts
-from tests.hf_factory import StubTokenizer, build
+from tests.hf_factory import StubTokenizer, build, qwen_tokenizer
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",
            "Write one short sentence about the ocean and the moon at night, please.", "Hi"]

@@ -3,14 +3,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from car_jax.rl import grpo
 from car_jax.models.api import Model
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
-from car_jax.rollout.generate import generate_ids
-from car_jax.rollout.sampling import Sampler
+from car_jax.rl import grpo
 from car_jax.rl.batches import micro_batches, single_turn_arrays
 from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_train_step
+from car_jax.rollout.generate import generate_ids
+from car_jax.rollout.sampling import Sampler
 from tests.hf_factory import StubTokenizer
 
 VOCAB = 6

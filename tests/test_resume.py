@@ -6,9 +6,9 @@ import pytest
 from car_jax.assets import smollm2_gguf
 from car_jax.config import load_config
 from car_jax.models.api import load_tokenizer
-from car_jax.train.trainer import train
 from car_jax.train.config import TrainConfig
 from car_jax.train.log import read_metrics
+from car_jax.train.trainer import train
 from tests.hf_factory import build
 
 

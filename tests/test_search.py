@@ -8,7 +8,12 @@ import pytest
 
 from car_jax.tools.corpus import Doc, DocStore, iter_corpus, open_store, render_docs
 from car_jax.tools.dense import IndexOptions, StreamingIndexer, load_index, new_index
-from car_jax.tools.index import build_bm25_index, build_dense_index, load_retriever, read_meta
+from car_jax.tools.index import (
+    build_bm25_index,
+    build_dense_index,
+    load_retriever,
+    read_meta,
+)
 from car_jax.tools.text_encoder import TextEncoder, resolve_encoder
 
 FIXTURES = Path(__file__).parent / "fixtures"

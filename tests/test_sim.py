@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from car_jax.rl import grpo
 from car_jax.calibration import rewards, sim
+from car_jax.rl import grpo
 
 # Small but long enough for the confidence head to move: compile time dominates anyway.
 CFG = sim.SimConfig(n_questions=128, prompts_per_step=32, steps=200)

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
 

@@ -5,15 +5,25 @@ import numpy as np
 import pytest
 
 import car_jax
-from car_jax.rl import grpo
 from car_jax import sharding as shd
-from car_jax.rl.batches import batch_arrays, chunked_logprobs, micro_batches
-from car_jax.rl.logprobs import token_logprobs
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder, cpu_layer_loop, stack_layers, unstack_layers
+from car_jax.rl import grpo
+from car_jax.rl.batches import batch_arrays, chunked_logprobs, micro_batches
+from car_jax.rl.logprobs import token_logprobs
+from car_jax.rl.steps import (
+    BATCH_KEYS,
+    OptimConfig,
+    grads_and_metrics,
+    init_state,
+    make_logprob_fn,
+    make_optimizer,
+    make_sft_step,
+    make_train_step,
+    micro_logprobs,
+    state_shardings,
+)
 from car_jax.rollout.episode import Trajectory
-from car_jax.rl.steps import (BATCH_KEYS, OptimConfig, grads_and_metrics, init_state, make_logprob_fn,
-                                make_optimizer, make_sft_step, make_train_step, micro_logprobs, state_shardings)
 
 CFG = ModelConfig("qwen2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   mlp_dim=64, qkv_bias=True)

@@ -21,6 +21,8 @@ import string
 from collections import Counter
 from typing import Sequence
 
+from math_verify import parse, verify
+
 TAGS = ("think", "search", "information", "answer", "confidence")
 _TAG_RE = re.compile(r"</?(?:%s)>" % "|".join(TAGS))
 
@@ -210,8 +212,6 @@ def math_equal(prediction: str, golds: Sequence[str], timeout_seconds: int = 5) 
     `timeout_seconds` goes to math-verify, which uses SIGALRM: pass 0 (no timeout) when calling
     from a thread other than the main one.
     """
-    from math_verify import parse, verify  # deferred: sympy import is slow
-
     pred_expr = last_boxed(prediction)
     pred_expr = prediction if pred_expr is None else pred_expr
     if not pred_expr.strip():

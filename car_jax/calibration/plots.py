@@ -1,9 +1,12 @@
-"""Reliability diagram (host, matplotlib with the Agg backend: no display needed)."""
+"""Reliability diagram (host). Figures are built with matplotlib's object API
+(`matplotlib.figure.Figure`, rendered by Agg when saved): no pyplot, no global backend
+switch, no display needed."""
 from __future__ import annotations
 
 import os
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from car_jax.calibration import metrics
 
@@ -16,11 +19,6 @@ def reliability_diagram(correct, confidence, path: str | os.PathLike, n_bins: in
     the bin's mean confidence shaded and the bin count written above each bar; the diagonal is
     perfect calibration; ECE and B go in the title. Empty bins draw no bar. Returns the path.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     c, q = metrics.check_inputs(correct, confidence)
     count, mean_q, acc = (np.asarray(a) for a in metrics.bin_stats(c, q, n_bins))
     ece = metrics.calibration_arrays(c, q, n_bins)["ece"].item()
@@ -28,7 +26,8 @@ def reliability_diagram(correct, confidence, path: str | os.PathLike, n_bins: in
     left, width = edges[:-1], np.diff(edges)
     full = count > 0
 
-    fig, ax = plt.subplots(figsize=(4.5, 4.5), dpi=120)
+    fig = Figure(figsize=(4.5, 4.5), dpi=120)
+    ax = fig.subplots()
     ax.bar(left[full], acc[full], width[full], align="edge", color="tab:blue",
            edgecolor="black", label="accuracy")
     ax.bar(left[full], mean_q[full] - acc[full], width[full], bottom=acc[full], align="edge",
@@ -41,5 +40,4 @@ def reliability_diagram(correct, confidence, path: str | os.PathLike, n_bins: in
     ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return str(path)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from safetensors import safe_open
 
 from car_jax.models.encoder import EncoderConfig, param_shapes
 
@@ -125,8 +126,6 @@ def load_params(folder: str | Path, cfg: EncoderConfig | None = None) -> tuple[d
     Raises ValueError naming the tensor and the expected shape when one is missing or has
     the wrong shape.
     """
-    from safetensors import safe_open
-
     folder = Path(folder)
     cfg = cfg or load_config(folder)
     expected = param_shapes(cfg)

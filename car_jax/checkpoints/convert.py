@@ -11,12 +11,19 @@ import os
 from pathlib import Path
 
 import jax
+import orbax.checkpoint as ocp
 
 from car_jax.checkpoints.gguf_io import GGUFFile, gguf_tokenizer
-from car_jax.checkpoints.loader import check_names, save_hf_folder
-from car_jax.checkpoints.safetensors_io import CheckpointError, write_safetensors
+from car_jax.checkpoints.loader import check_names, load_params, save_hf_folder
+from car_jax.checkpoints.safetensors_io import (
+    CheckpointError,
+    SafetensorsFolder,
+    write_safetensors,
+)
+from car_jax.checkpoints.sources import load_tokenizer, read_config
 from car_jax.checkpoints.table import entries, hf_names
-from car_jax.models.config import ModelConfig
+from car_jax.models.config import ModelConfig, as_dtype
+from car_jax.models.decoder import Decoder
 
 PARAMS_MARKER = "car_jax_params.json"  # marks a car_jax params folder
 
@@ -35,23 +42,20 @@ def gguf_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return dst
 
 
-def save_params(model, dst: str | os.PathLike) -> Path:
-    """Writes a model's params with orbax (sharded arrays stay sharded) beside its
-    config.json and tokenizer, so `load_params_folder` restores it onto any mesh."""
-    import orbax.checkpoint as ocp
-
-    from car_jax.models.api import load_tokenizer
-
+def save_params(params, cfg: ModelConfig, dst: str | os.PathLike, source: str | os.PathLike | None = None) -> Path:
+    """Writes params with orbax (sharded arrays stay sharded) beside cfg's config.json and
+    the tokenizer of `source` (when it has one), so `load_params_folder` restores them onto
+    any mesh."""
     dst = Path(dst).absolute()
     dst.mkdir(parents=True, exist_ok=True)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(dst / "params", model.params, force=True)
+    ckpt.save(dst / "params", params, force=True)
     ckpt.wait_until_finished()
-    (dst / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    (dst / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
     (dst / PARAMS_MARKER).write_text(json.dumps({"format": "orbax-params", "version": 1}))
-    if model.source is not None:
+    if source is not None:
         try:
-            load_tokenizer(model.source).save_pretrained(str(dst))
+            load_tokenizer(source).save_pretrained(str(dst))
         except (OSError, ValueError):
             pass
     return dst
@@ -64,10 +68,6 @@ def is_params_folder(path: str | os.PathLike) -> bool:
 def load_params_folder(path: str | os.PathLike, shardings=None):
     """(ModelConfig, params) from a folder written by `save_params`; `shardings` is a
     params-shaped pytree of target shardings (default: the first local device)."""
-    import orbax.checkpoint as ocp
-
-    from car_jax.models.decoder import Decoder
-
     path = Path(path).absolute()
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     abstract = jax.eval_shape(lambda: Decoder(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
@@ -89,16 +89,17 @@ def params_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32") -> tuple[str, Path]:
-    """Converts by the kind of `src`; returns (direction, output folder)."""
-    from car_jax.models.api import load_model
-
+    """Converts by the kind of `src`; returns (direction, output folder). An HF folder's
+    weights are read in `dtype` (their storage dtype in the params folder)."""
     src = Path(src)
     if src.is_file() and src.suffix == ".gguf":
         return "gguf -> hf", gguf_to_hf(src, dst)
     if is_params_folder(src):
         return "car_jax params -> hf", params_to_hf(src, dst)
     if (src / "config.json").is_file():
-        return "hf -> car_jax params", save_params(load_model(src, dtype=dtype), dst)
+        cfg = read_config(src)
+        params = load_params(SafetensorsFolder(src), cfg, dtype=as_dtype(dtype), progress=False)
+        return "hf -> car_jax params", save_params(params, cfg, dst, source=src)
     raise CheckpointError(f"{src}: not a .gguf file, an HF folder (config.json) or a car_jax params "
                           f"folder ({PARAMS_MARKER})")
 

@@ -14,6 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from tokenizers import pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+    GGUF_TOKENIZER_MAPPING,
+    convert_gguf_tokenizer,
+)
 
 from car_jax.checkpoints.safetensors_io import CheckpointError
 from car_jax.models.config import ModelConfig, UnsupportedConfigError
@@ -64,8 +72,6 @@ class GGUFFile:
     """Tensors of a GGUF file under their HF names, dequantized to float32 on demand."""
 
     def __init__(self, path: str | os.PathLike):
-        from gguf import GGUFReader  # local import: only GGUF users pay for it
-
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"GGUF file {self.path} does not exist")
@@ -119,8 +125,6 @@ class GGUFFile:
         return list(self._tensors)
 
     def get(self, name: str) -> np.ndarray:
-        from gguf.quants import dequantize
-
         if name not in self._tensors:
             raise CheckpointError(f"{self.path}: tensor {name!r} missing from the GGUF file")
         t = self._tensors[name]
@@ -138,11 +142,6 @@ def gguf_tokenizer(g: GGUFFile):
     vocabulary, without torch. Uses transformers' torch-free GGUF tokenizer builders;
     for llama.cpp's `smollm` pre-tokenizer it also splits digits one by one, as
     SmolLM2's own tokenizer.json does."""
-    from tokenizers import pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
-
     spec = {name: self_field for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
             if (self_field := g.field(f"tokenizer.{key}")) is not None}
     backend, _ = convert_gguf_tokenizer(g.arch, spec)

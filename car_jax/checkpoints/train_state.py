@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import orbax.checkpoint as ocp
 
 __all__ = ["TrainCheckpointer", "abstract_state"]
 
@@ -61,8 +62,6 @@ class TrainCheckpointer:
 
     def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3,
                  every: int = 100, async_save: bool = True, read_only: bool = False):
-        import orbax.checkpoint as ocp
-
         if keep is not None and keep < 1:
             raise ValueError(f"keep={keep} must be >= 1 (or None to keep every step)")
         if every < 1:

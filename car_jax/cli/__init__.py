@@ -4,9 +4,8 @@ a module listed here exposes `register(subparsers)` which adds its parsers and s
 from __future__ import annotations
 
 import argparse
-import os
 import importlib
-import sys
+import os
 
 # modules that contribute sub-commands, imported only when the CLI starts
 COMMAND_MODULES = (
@@ -63,7 +62,3 @@ def main(argv: list[str] | None = None) -> int:
     maybe_init_distributed()
     enable_compilation_cache()
     return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,7 +42,7 @@ def register(sub) -> None:
 
 def _load(args):
     import car_jax
-    from car_jax.cli.run import default_model_dir
+    from car_jax.checkpoints.embedded import default_model_dir
 
     model_path = Path(args.model) if args.model else default_model_dir()
     if not model_path.exists():
@@ -67,9 +67,9 @@ def _tools(args) -> tuple[dict, str, list]:
         return {"code": tool}, "python sandbox", [tool]
     if args.retriever_url and args.index:
         raise SystemExit("give --index or --retriever-url, not both")
-    from car_jax.tools.index import open_retriever
+    from car_jax.data import search_tool
 
-    retriever = open_retriever(args.retriever_url or args.index or "world")
+    retriever = search_tool(args.retriever_url or args.index or "world")
     if args.retriever_url:
         what = f"server {args.retriever_url}"
     elif args.index:

@@ -30,20 +30,6 @@ def register(sub) -> None:
     p.set_defaults(func=_run)
 
 
-def default_model_dir():
-    """The embedded SmolLM2 GGUF converted to an HF folder in the car_jax cache."""
-    from car_jax.assets import cache_dir, smollm2_gguf
-    from car_jax.checkpoints.convert import gguf_to_hf
-
-    out = cache_dir() / "SmolLM2-135M-Instruct"
-    if not (out / "config.json").is_file():
-        print(f"converting {smollm2_gguf().name} -> {out}")
-        tmp = out.with_name(out.name + ".partial")
-        gguf_to_hf(smollm2_gguf(), tmp)
-        tmp.rename(out)  # complete folders only: an interrupted conversion is redone
-    return out
-
-
 def _evaluate(folder, examples, out_dir: Path, label: str) -> dict:
     import car_jax
     from car_jax.data import world_retriever
@@ -58,12 +44,13 @@ def _evaluate(folder, examples, out_dir: Path, label: str) -> dict:
 
 def _run(args) -> int:
     import car_jax
+    from car_jax.checkpoints.embedded import default_model_dir
     from car_jax.config import load_config
     from car_jax.data import load_dataset
     from car_jax.eval.runner import compare_table, format_table
     from car_jax.rollout.generate import generate
-    from car_jax.train.trainer import train
     from car_jax.train.config import TrainConfig
+    from car_jax.train.trainer import train
 
     folder = default_model_dir()
     model = car_jax.load_model(folder)

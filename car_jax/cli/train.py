@@ -11,8 +11,8 @@ def register(sub) -> None:
 
 def _run(args) -> int:
     from car_jax.config import load_config
-    from car_jax.train.trainer import train
     from car_jax.train.config import TrainConfig
+    from car_jax.train.trainer import train
 
     cfg = load_config(TrainConfig, args.config, args.overrides)
     rows = train(cfg)

@@ -19,8 +19,8 @@ from car_jax.data.examples import (
     read_simpleqa_csv,
 )
 from car_jax.data.prompts import TEMPLATES, PromptTemplate, make_prompt
-from car_jax.data.world import world_index, world_paths, world_retriever
+from car_jax.data.world import search_tool, world_index, world_paths, world_retriever
 
 __all__ = ["DatasetError", "QAExample", "load_dataset", "read_jsonl", "read_search_r1_parquet",
-           "read_simpleqa_csv", "TEMPLATES", "PromptTemplate", "make_prompt", "world_index",
+           "read_simpleqa_csv", "TEMPLATES", "PromptTemplate", "make_prompt", "search_tool", "world_index",
            "world_paths", "world_retriever"]

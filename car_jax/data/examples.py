@@ -22,6 +22,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
+import pyarrow.parquet as pq
+
+from car_jax.data.world import world_paths
+
 Task = Literal["qa", "math"]
 EXTENSIONS = (".parquet", ".jsonl", ".json", ".csv")
 SIMPLEQA_COLUMNS = ("original_index", "problem", "answer")  # the ones car_jax needs
@@ -87,8 +91,6 @@ def read_search_r1_parquet(path: str | Path) -> list[QAExample]:
     """
     path = Path(path)
     try:
-        import pyarrow.parquet as pq
-
         rows = pq.read_table(path).to_pylist()
         columns = pq.read_schema(path).names
     except ImportError as err:
@@ -194,8 +196,6 @@ READERS = {".parquet": read_search_r1_parquet, ".jsonl": read_jsonl, ".json": re
 def _resolve(path_or_name: str | Path, split: str | None) -> Path:
     """A name ("world"), a file, or a folder + split -> the file to read."""
     if str(path_or_name) == "world":
-        from car_jax.data.world import world_paths
-
         split = split or "dev"
         paths = world_paths()
         if split not in paths or split == "corpus":

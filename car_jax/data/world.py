@@ -3,6 +3,7 @@
     world_paths()       -> {"corpus": Path, "train": Path, "dev": Path}
     world_index()       -> Path of a BM25 index folder over the world corpus (built once, cached)
     world_retriever()   -> a retriever over it: the default search tool of `car-jax eval`
+    search_tool(spec)   -> "world", an index folder or a retrieval server URL as a retriever
 """
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
+
+from car_jax.assets import cache_dir
+from car_jax.tools.index import (
+    META_FILE,
+    build_bm25_index,
+    load_retriever,
+    open_retriever,
+)
 
 WORLD_DIR = Path(__file__).resolve().parent / "world"
 FILES = {"corpus": "corpus.jsonl", "train": "train.jsonl", "dev": "dev.jsonl"}
@@ -32,9 +41,6 @@ def world_index(root: str | Path | None = None, progress: bool = False) -> Path:
     existing complete folder is reused. Built in a temporary folder and renamed into place, so
     an interrupted build is never picked up.
     """
-    from car_jax.assets import cache_dir
-    from car_jax.tools.index import META_FILE, build_bm25_index
-
     corpus = world_paths()["corpus"]
     digest = hashlib.sha256(corpus.read_bytes()).hexdigest()[:12]
     out = Path(root or cache_dir()) / f"world_bm25_{digest}"
@@ -53,6 +59,10 @@ def world_index(root: str | Path | None = None, progress: bool = False) -> Path:
 
 def world_retriever(root: str | Path | None = None):
     """The world BM25 index loaded as a retriever (a batched search tool, topk 3)."""
-    from car_jax.tools.index import load_retriever
-
     return load_retriever(world_index(root))
+
+
+def search_tool(spec: str):
+    """A retriever from a short spec: "world" (the offline world's BM25 index, built once
+    into the cache), an http(s) URL of a Search-R1 style server, or an index folder."""
+    return world_retriever() if spec == "world" else open_retriever(spec)

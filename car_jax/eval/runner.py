@@ -33,11 +33,13 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from car_jax.calibration import metrics, parsing
+from car_jax.calibration.plots import reliability_diagram
+from car_jax.calibration.rewards import reward_inputs
 from car_jax.data.examples import QAExample
 from car_jax.data.prompts import make_prompt
-from car_jax.calibration.rewards import reward_inputs
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
 from car_jax.rollout.protocols import TIR, car_search
 from car_jax.rollout.sampling import Sampler
@@ -235,8 +237,6 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
     resume=False refuses to write into a folder that already has samples (pass resume=True
     to continue it, or another out_dir). `info` (model, dataset, ...) is copied into the summary.
     """
-    from tqdm import tqdm
-
     spec = get_mode(mode)
     examples = list(examples)
     if not examples:
@@ -293,7 +293,6 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
                                   "max_obs_tokens": config.max_obs_tokens,
                                   "sampler": dataclasses.asdict(config.sampler)}}
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    from car_jax.calibration.plots import reliability_diagram
 
     c = [s["correct"] for s in samples]
     q = [s["confidence"] for s in samples]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -13,23 +12,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from car_jax import sharding as shd
-from car_jax.checkpoints.gguf_io import GGUFFile, gguf_tokenizer
+from car_jax.checkpoints.convert import is_params_folder, load_params_folder
+from car_jax.checkpoints.gguf_io import GGUFFile
 from car_jax.checkpoints.loader import load_params, save_hf_folder
-from car_jax.checkpoints.safetensors_io import CheckpointError, SafetensorsFolder
+from car_jax.checkpoints.safetensors_io import SafetensorsFolder
+from car_jax.checkpoints.sources import is_gguf, load_tokenizer, read_config
 from car_jax.models.cache import KVCache, cache_dtype, init_cache
-from car_jax.models.config import ModelConfig
+from car_jax.models.config import ModelConfig, as_dtype
 from car_jax.models.decoder import Decoder
-
-DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
-          "float16": jnp.float16, "fp16": jnp.float16}
-
-
-def as_dtype(name) -> Any:
-    if not isinstance(name, str):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[name]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -69,20 +59,6 @@ class Model:
                        valid=put(cache.valid, "cache_rows"), next_pos=put(cache.next_pos, "rows"), index=cache.index)
 
 
-def _is_gguf(path: Path) -> bool:
-    return path.suffix == ".gguf" and path.is_file()
-
-
-def read_config(path: str | os.PathLike) -> ModelConfig:
-    path = Path(path)
-    if _is_gguf(path):
-        return GGUFFile(path).config
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path}: not a .gguf file and no config.json in it")
-    return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
-
-
 def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, mesh: Mesh | None = None,
                mode: str = "train", remat: bool = False, progress: bool = True) -> Model:
     """Loads an HF folder (safetensors, single or sharded) or a `.gguf` file.
@@ -90,8 +66,6 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype).
     With `mesh`, each tensor goes straight into its NamedSharding from the table in
     `car_jax.sharding` (`mode` "train" or "sample")."""
-    from car_jax.checkpoints.convert import is_params_folder, load_params_folder
-
     path = Path(path)
     compute = as_dtype(dtype)
     storage = as_dtype(param_dtype or dtype)
@@ -102,7 +76,7 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
         cfg, params = load_params_folder(path, shardings)
         params = jax.tree.map(lambda x: x.astype(storage), params)
     else:
-        if _is_gguf(path):
+        if is_gguf(path):
             source = GGUFFile(path)
             cfg = source.config
         else:
@@ -111,22 +85,6 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
         params = load_params(source, cfg, dtype=storage, mesh=mesh, mode=mode, progress=progress)
     module = Decoder(cfg, dtype=compute, param_dtype=storage, remat=remat)
     return Model(cfg, params, module, mesh, path)
-
-
-def load_tokenizer(path: str | os.PathLike):
-    """A transformers tokenizer, with its chat template, from an HF folder or `.gguf` file.
-    Padding goes on the left (the rollout engine's layout); a missing pad token is set
-    to the EOS token."""
-    path = Path(path)
-    if _is_gguf(path):
-        tok = gguf_tokenizer(GGUFFile(path))
-    else:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(path))
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def save_hf(model: Model, out_dir: str | os.PathLike, *, dtype=None, with_tokenizer: bool = True) -> Path:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
@@ -151,3 +153,16 @@ def _rope_theta(hf: dict[str, Any]) -> float:
             raise UnsupportedConfigError(
                 f"{field}.rope_type={kind!r}: only plain RoPE ('default') is implemented")
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+          "float16": jnp.float16, "fp16": jnp.float16}
+
+
+def as_dtype(name) -> Any:
+    """A dtype name ("float32", "bf16", ...) -> the jnp dtype; a dtype passes through."""
+    if not isinstance(name, str):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]

@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from car_jax.models.decoder import Decoder, cpu_layer_loop, stack_layers
 from car_jax.rl import grpo
 from car_jax.rl.head_loss import grpo_head_loss
 from car_jax.rl.logprobs import response_hidden, response_logprobs, unembedding
-from car_jax.models.decoder import Decoder, cpu_layer_loop, stack_layers
 
 Batch = dict[str, jax.Array]
 # prompt int32[M, u, P] (left-padded), prompt_valid bool[M, u, P], prompt_index int32[M, b]

@@ -20,7 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax.rollout.decode import decode_segment, prefill
-from car_jax.rollout.generate import decode_windows, eos_ids, left_pad, prefill_prompts, prompt_texts, round_up
+from car_jax.rollout.generate import (
+    decode_windows,
+    eos_ids,
+    left_pad,
+    prefill_prompts,
+    prompt_texts,
+    round_up,
+)
 from car_jax.rollout.protocols import ANSWER, INVALID, VOID, Action, SearchR1
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import stop_tables

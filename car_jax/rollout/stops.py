@@ -15,6 +15,7 @@ import functools
 from typing import Sequence
 
 import numpy as np
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 STOP = -1
 
@@ -25,8 +26,6 @@ def token_texts(tokenizer) -> list[str]:
     Byte-level BPE tokens are mapped back to bytes (decoded with errors="replace", so a
     token holding half a UTF-8 character shows a replacement char); other vocabularies
     use `decode([id])`."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
     vocab = tokenizer.get_vocab()
     size = max(len(tokenizer), max(vocab.values()) + 1)
     by_id = [""] * size

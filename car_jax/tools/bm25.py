@@ -10,6 +10,8 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
+import bm25s
+
 from car_jax.tools.corpus import Doc
 from car_jax.tools.retriever import Retriever
 
@@ -25,8 +27,6 @@ class BM25Options:
 
 
 def _tokenize(texts: list[str], options: BM25Options, as_ids: bool, progress: bool = False):
-    import bm25s
-
     return bm25s.tokenize(
         texts, stopwords=options.stopwords, return_ids=as_ids, show_progress=progress
     )
@@ -34,8 +34,6 @@ def _tokenize(texts: list[str], options: BM25Options, as_ids: bool, progress: bo
 
 def build_bm25(texts: list[str], options: BM25Options, progress: bool = True):
     """Corpus texts [N] -> a fitted bm25s.BM25."""
-    import bm25s
-
     model = bm25s.BM25(k1=options.k1, b=options.b, method=options.method)
     model.index(_tokenize(texts, options, as_ids=True, progress=progress), show_progress=progress)
     return model
@@ -46,8 +44,6 @@ def save_bm25(model, folder: str | Path) -> None:
 
 
 def load_bm25(folder: str | Path):
-    import bm25s
-
     path = Path(folder) / BM25_DIR
     if not path.is_dir():
         raise FileNotFoundError(

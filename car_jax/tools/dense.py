@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
+import faiss
 import numpy as np
 
 from car_jax.tools.corpus import Doc
@@ -45,14 +46,10 @@ class IndexOptions:
 
 
 def new_index(dim: int, factory: str):
-    import faiss
-
     return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
 
 
 def apply_search_params(index, params: dict) -> None:
-    import faiss
-
     space = faiss.ParameterSpace()
     for name, value in params.items():
         space.set_index_parameter(index, name, value)
@@ -88,14 +85,10 @@ class StreamingIndexer:
 
 
 def save_index(index, folder: str | Path) -> None:
-    import faiss
-
     faiss.write_index(index, str(Path(folder) / INDEX_FILE))
 
 
 def load_index(path: str | Path, search_params: dict | None = None):
-    import faiss
-
     path = Path(path)
     if path.is_dir():
         path = path / INDEX_FILE

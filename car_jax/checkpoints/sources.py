@@ -1,0 +1,44 @@
+"""What a checkpoint path holds: its model config and its tokenizer.
+
+A path is a `.gguf` file, an HF folder (config.json + safetensors), or a car_jax params
+folder (config.json + orbax params, `checkpoints.convert`); all three carry a config and
+usually a tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from car_jax.checkpoints.gguf_io import GGUFFile, gguf_tokenizer
+from car_jax.checkpoints.safetensors_io import CheckpointError
+from car_jax.models.config import ModelConfig
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" and path.is_file()
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a .gguf file or of a folder with a config.json."""
+    path = Path(path)
+    if is_gguf(path):
+        return GGUFFile(path).config
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: not a .gguf file and no config.json in it")
+    return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """A transformers tokenizer, with its chat template, from an HF folder or `.gguf` file.
+    Padding goes on the left (the rollout engine's layout); a missing pad token is set
+    to the EOS token."""
+    path = Path(path)
+    tok = gguf_tokenizer(GGUFFile(path)) if is_gguf(path) else AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok

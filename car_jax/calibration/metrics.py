@@ -1,4 +1,4 @@
-"""Calibration metrics (SPEC.md section 4): jitted array math plus a host wrapper. B = batch.
+"""Calibration metrics: jitted array math plus a host wrapper. Letters: car_jax.dims.
 
 Conventions (car_jax's, used everywhere these numbers are reported):
 - Inputs: `correct: bool[B]` (c), `confidence: float[B]` (q in [0, 1], finite), cast to float32.
@@ -44,15 +44,15 @@ def bin_index(q: jax.Array, n_bins: int = 10) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames="n_bins")
 def bin_stats(correct, q, n_bins: int = 10) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """bool[B], f32[B] -> (count int32[n_bins], mean q f32[n_bins], accuracy f32[n_bins]).
+    """bool[B], f32[B] -> (count int32[Q], mean q f32[Q], accuracy f32[Q]), Q = n_bins.
 
     Empty bins report mean q = accuracy = 0.
     """
     c, q = jnp.asarray(correct, jnp.float32), jnp.asarray(q, jnp.float32)
-    member = bin_index(q, n_bins)[:, None] == jnp.arange(n_bins)  # bool[B, n_bins]
+    member = bin_index(q, n_bins)[:, None] == jnp.arange(n_bins)  # bool[B, Q]
     # masked reductions, not segment_sum: XLA reduces pairwise, a scatter-add adds serially
     # (at B = 1M that moved ECE by 3e-6 against a float64 reference).
-    count = jnp.sum(member, axis=0, dtype=jnp.int32)  # int32[n_bins]
+    count = jnp.sum(member, axis=0, dtype=jnp.int32)  # int32[Q]
     denom = jnp.maximum(count, 1).astype(jnp.float32)
     mean_q = jnp.sum(jnp.where(member, q[:, None], 0.0), axis=0) / denom
     acc = jnp.sum(jnp.where(member, c[:, None], 0.0), axis=0) / denom
@@ -92,7 +92,7 @@ def calibration_arrays(correct, q, n_bins: int = 10) -> dict[str, jax.Array]:
     c, q = jnp.asarray(correct, jnp.float32), jnp.asarray(q, jnp.float32)
     n = c.shape[0]
     count, mean_q, acc = bin_stats(correct, q, n_bins)
-    w = count / n  # f32[n_bins]; empty bins weigh 0, which skips them
+    w = count / n  # f32[Q]; empty bins weigh 0, which skips them
     gap = mean_q - acc
     n_wrong = n - jnp.sum(c)
     return {

@@ -82,7 +82,7 @@ def parse_confidence(text: str) -> tuple[float, bool]:
 
 
 def check_format(text: str) -> tuple[bool, str]:
-    """Format check of a search-agent response (SPEC.md section 2, item 2): returns (ok, reason).
+    """Format check of a search-agent response (the CAR format reward's condition): returns (ok, reason).
 
     The grammar (whitespace-only text allowed between blocks, nothing else):
 

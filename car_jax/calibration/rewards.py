@@ -1,4 +1,4 @@
-"""Outcome rewards of CAR (SPEC.md section 2, items 3-4): jitted math over arrays, B = batch.
+"""Outcome rewards of CAR (the paper's MSCR and its baselines): jitted math over arrays, Letters: car_jax.dims.
 
 Every reward takes `correct: bool[B]`, `q: float32[B]`, `format_ok: bool[B]` and returns
 `float32[B]`; with c = correct as 0/1:

@@ -1,4 +1,5 @@
-"""Evidence noise for experiments on how noisy search shapes calibration (SPEC section 1).
+"""Evidence noise, for experiments on how noisy search shapes calibration (the paper's pilot
+study: evidence tools and over-confidence).
 
 `NoisyRetriever` wraps any retriever and perturbs each query's doc list, in this order:
 1. replace: each doc, with probability `replace_rate`, becomes a distractor drawn uniformly

@@ -62,7 +62,7 @@ def main() -> None:
     prompts = [[{"role": "user", "content": questions[i % 4] + " Search, one query per line."}]
                for i in range(args.batch)]
     cfg = EpisodeConfig(max_turns=args.turns, max_response_tokens=args.response, max_obs_tokens=160,
-                        sampler=Sampler(0.0))
+                        temperature=0.0, top_p=1.0)
     tool = {"search": lambda qs: [DOC] * len(qs)}
 
     run_episodes(model, tok, prompts, tool, config=cfg, protocol=EveryLine())  # compile

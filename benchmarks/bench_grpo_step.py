@@ -51,7 +51,9 @@ def car_jax_stepper(folder, args):
     from car_jax.models.api import Model
     from car_jax.rollout.generate import generate_ids
     from car_jax.rollout.sampling import Sampler
-    from car_jax.rl.batches import chunked_logprobs, micro_batches, single_turn_arrays
+    from car_jax.calibration.rewards import RewardConfig, RewardInputs, reward_fn
+    from car_jax.rl.batches import chunked_logprobs, make_scorer, micro_batches, to_device
+    from car_jax.rl.host_batch import micro_plan, single_turn_batch
     from car_jax.rl.steps import OptimConfig, init_state, make_logprob_fn, make_optimizer, make_train_step
 
     model = car_jax.load_model(folder, progress=False, dtype=args.dtype, param_dtype="float32")
@@ -59,7 +61,8 @@ def car_jax_stepper(folder, args):
     ref = jax.tree.map(jnp.copy, model.params)
     opt = make_optimizer(OptimConfig(lr=1e-6, total_steps=100))
     state = init_state(model.params, opt)
-    step_fn = make_train_step(model.module, opt, grpo.LossConfig(kl_coef=0.001, temperature=1.0))
+    step_fn = make_train_step(model.module, opt, grpo.LossConfig(kl_coef=0.001), temperature=1.0)
+    score = make_scorer(reward_fn(RewardConfig(kind="binary")))  # the reward is the toy reward itself
     logprob_fn = make_logprob_fn(model.module, 1.0)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                for q in QUESTIONS[: args.prompts]]
@@ -76,13 +79,17 @@ def car_jax_stepper(folder, args):
         split["rollout"] = time.perf_counter() - start
         texts = [tok.decode(out.tokens[i]) for i in range(len(ids))]
         groups = np.repeat(np.arange(args.prompts), args.group)
-        arrays = single_turn_arrays(ids, out, np.array(toy_reward(texts)), groups, tok.pad_token_id)
+        n = len(ids)
+        inputs = RewardInputs(np.array(toy_reward(texts)) == 1.0, np.zeros(n, np.float32), np.ones(n, bool))
+        host = single_turn_batch(ids, out, tok.pad_token_id, inputs, groups)
+        batch, _ = score(to_device(host))
+        plan = micro_plan(host.prompt_of, np.arange(n), micro)
         mark = time.perf_counter()
-        arrays["ref_logp"] = chunked_logprobs(logprob_fn, ref, arrays, micro)
+        batch = batch.replace(ref_logp=chunked_logprobs(logprob_fn, ref, batch, plan))
+        jax.block_until_ready(batch.ref_logp)
         split["reference log-probs"] = time.perf_counter() - mark
         mark = time.perf_counter()
-        batch = micro_batches(arrays, np.arange(len(ids)), micro)
-        state, metrics = step_fn(state, batch)
+        state, metrics = step_fn(state, micro_batches(batch, plan))
         jax.block_until_ready(state.params)
         split["update (4 micro-batches)"] = time.perf_counter() - mark
         box["state"], box["step"] = state, box["step"] + 1
@@ -107,9 +114,9 @@ def _timed_method(obj, name: str, log: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def trl_steps(folder, args, n_steps: int, after_step) -> tuple[list[float], dict[str, float]]:
+def trl_steps(folder, args, n_steps: int, after_step, settings: dict) -> tuple[list[float], dict[str, float]]:
     """TRL's step times (and the last step's split); `after_step()` runs after each step,
-    outside its timed span."""
+    outside its timed span. The GRPOConfig settings that shape the step go into `settings`."""
     import torch
     import transformers
     from datasets import Dataset
@@ -134,7 +141,10 @@ def trl_steps(folder, args, n_steps: int, after_step) -> tuple[list[float], dict
                      max_completion_length=args.new, temperature=1.0, beta=0.001, learning_rate=1e-6,
                      max_steps=n_steps, use_cpu=not torch.cuda.is_available(), report_to="none", save_strategy="no", logging_steps=1,
                      generation_kwargs={"min_new_tokens": args.new}, dataloader_num_workers=0, seed=0,
-                     bf16=args.dtype == "bfloat16")
+                     bf16=args.dtype == "bfloat16", gradient_checkpointing=args.trl_gradient_checkpointing == "on")
+    settings.update(gradient_checkpointing=cfg.gradient_checkpointing, beta=cfg.beta, bf16=cfg.bf16,
+                    gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                    per_device_train_batch_size=cfg.per_device_train_batch_size, loss_type=cfg.loss_type)
     trainer = GRPOTrainer(model=model, processing_class=tok, args=cfg, train_dataset=data,
                           reward_funcs=lambda completions, **kw: toy_reward(
                               [c[0]["content"] if isinstance(c, list) else c for c in completions]),
@@ -160,6 +170,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="TRL steps; the first is warm-up and not compared")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="compute dtype on both sides (weights stay fp32): car_jax model.dtype, TRL bf16=True")
+    ap.add_argument("--trl-gradient-checkpointing", choices=["on", "off"], default="on",
+                    help="TRL's GRPOConfig.gradient_checkpointing (on by default in TRL 1.16; car_jax does not "
+                         "recompute layers here)")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: at least 2 (TRL's first step is warm-up and is not compared)")
@@ -168,11 +181,14 @@ def main() -> None:
     car_jax_step = car_jax_stepper(folder, args)
     first, _ = car_jax_step()  # compiles
     ours: list[tuple[float, dict[str, float]]] = []
-    theirs, their_split = trl_steps(folder, args, args.steps, lambda: ours.append(car_jax_step()))
+    settings: dict = {}
+    theirs, their_split = trl_steps(folder, args, args.steps, lambda: ours.append(car_jax_step()), settings)
     import trl
     print(header(f"One GRPO step, SmolLM2-135M, {args.dtype} compute, {args.prompts} prompts x {args.group} "
                  f"generations x {args.new} new tokens", f"python benchmarks/bench_grpo_step.py --prompts {args.prompts} "
-                 f"--group {args.group} --new {args.new} --steps {args.steps} --dtype {args.dtype}"))
+                 f"--group {args.group} --new {args.new} --steps {args.steps} --dtype {args.dtype} "
+                 f"--trl-gradient-checkpointing {args.trl_gradient_checkpointing}"))
+    print("TRL GRPOConfig: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "\n")
     print(f"car_jax's first step (with compiles): {first:.1f} s; TRL {trl.__version__}'s first step "
           f"(warm-up, not compared): {theirs[0]:.1f} s\n")
     print("| pair | TRL `GRPOTrainer` step (s) | car_jax step right after it (s) | car_jax / TRL |")

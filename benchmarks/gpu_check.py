@@ -8,6 +8,8 @@ it, and both sides load that folder. Sections, each printed as it ends:
 
 - parity: fp32 logits, car_jax against transformers, both on the accelerator with full
   fp32 matmuls (no TF32), on a right-padded batch; max |difference| over real tokens.
+  car_jax runs the execution policy `load_model` picks for the backend (on a GPU: the
+  plain one, layers scanned in every mode with one stacked KV cache).
 - greedy: fp32 greedy continuations (EOS off) of 8 prompts; rows equal to transformers'.
 - generate: bf16 sampling throughput, car_jax `generate_ids` against transformers
   `generate`, --batch rows x --new tokens (EOS off).
@@ -74,7 +76,8 @@ def parity(folder: Path, hf, dev) -> dict:
         ours = np.asarray(model.forward(tokens, valid)[0])
     diff = np.abs(ours - ref)[valid]
     return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-            "logit_scale": float(np.abs(ref[valid]).max()), "backend": jax.default_backend()}
+            "logit_scale": float(np.abs(ref[valid]).max()), "backend": jax.default_backend(),
+            "policy": model.module.policy.name}
 
 
 def greedy(folder: Path, hf, tok, dev, new: int = 64) -> dict:
@@ -200,7 +203,7 @@ def summary(r: dict) -> str:
     if "max_abs_diff" in r.get("parity", {}):
         p = r["parity"]
         lines.append(f"- fp32 logits vs transformers: max |diff| {p['max_abs_diff']:.2e} (logits up to "
-                     f"{p['logit_scale']:.1f}), backend {p['backend']}")
+                     f"{p['logit_scale']:.1f}), backend {p['backend']}, policy {p.get('policy')}")
     if "rows_equal" in r.get("greedy", {}):
         g = r["greedy"]
         lines.append(f"- greedy fp32, 64 tokens: {g['rows_equal']}/{g['rows']} rows equal to transformers")

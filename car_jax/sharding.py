@@ -46,8 +46,10 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 # activations and caches, by name -> logical axes
 DATA_AXES: dict[str, tuple[str, ...]] = {
     "tokens": ("batch", "time"),  # int32[B, T]
-    "cache_k": ("batch", "kv_heads", "head_dim", "cache"),  # one layer's keys [B, K, H, S]
-    "cache_v": ("batch", "kv_heads", "cache", "head_dim"),  # one layer's values [B, K, S, H]
+    # the stacked KV cache (keys [L, B, K, H, S], values [L, B, K, S, H]); a per-layer cache
+    # array is one layer's slice of it (`data_sharding(..., one_layer=True)`)
+    "cache_k": ("layers", "batch", "kv_heads", "head_dim", "cache"),
+    "cache_v": ("layers", "batch", "kv_heads", "cache", "head_dim"),
     "cache_rows": ("batch", "cache"),  # bool[B, S]
     "rows": ("batch",),  # [B]
 }
@@ -113,9 +115,15 @@ def param_sharding(path: str, shape: Sequence[int], mesh: Mesh, mode: str = "tra
     return NamedSharding(mesh, spec_for(logical, mode))
 
 
-def data_sharding(name: str, shape: Sequence[int], mesh: Mesh, mode: str = "train") -> NamedSharding:
-    """NamedSharding of an activation / cache array named in DATA_AXES."""
+def data_sharding(name: str, shape: Sequence[int], mesh: Mesh, mode: str = "train", *,
+                  one_layer: bool = False) -> NamedSharding:
+    """NamedSharding of an activation / cache array named in DATA_AXES; with `one_layer`,
+    of one layer's slice of a stacked entry (its leading "layers" axis dropped)."""
     logical = DATA_AXES[name]
+    if one_layer:
+        if logical[0] != "layers":
+            raise ShardingError(f"{name}: {logical} has no leading 'layers' axis to take one layer of")
+        logical = logical[1:]
     _check_divisible(name, shape, logical, mesh, mode)
     return NamedSharding(mesh, spec_for(logical, mode))
 

@@ -96,6 +96,19 @@ def test_cpu_config_is_small():
     assert cfg.sft.data == "world" and cfg.sft.steps > 0  # the 135M model needs the format first
 
 
+def test_eval_configs_load():
+    """configs/eval/*.yaml load into EvalConfig; the example spells out today's defaults."""
+    from car_jax.eval.config import EvalConfig
+
+    paths = sorted((ROOT / "configs" / "eval").glob("*.yaml"))
+    assert paths
+    for path in paths:
+        load_config(EvalConfig, path)
+    example = load_config(EvalConfig, ROOT / "configs" / "eval" / "world_search.yaml")
+    assert dataclasses.replace(example, data=EvalConfig().data, output=EvalConfig().output) == EvalConfig()
+    assert example.episode.sampler.greedy and example.tools.code_timeout_s == 10.0
+
+
 def test_tiny_config_trains(tmp_path):
     from car_jax.assets import smollm2_gguf
     from car_jax.models.api import load_tokenizer

@@ -10,7 +10,6 @@ import car_jax
 from car_jax.assets import smollm2_gguf
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
 from car_jax.rollout.protocols import INVALID, Action, SearchR1
-from car_jax.rollout.sampling import Sampler
 from tests.hf_factory import build
 
 
@@ -42,8 +41,7 @@ def setup(tmp_path_factory):
 def test_recorded_logprobs_equal_teacher_forcing(setup):
     model, tok = setup
     temperature = 1.3
-    cfg = EpisodeConfig(max_turns=3, max_response_tokens=5, max_obs_tokens=9,
-                        sampler=Sampler(temperature))
+    cfg = EpisodeConfig(max_turns=3, max_response_tokens=5, max_obs_tokens=9, temperature=temperature, top_p=1.0)
     prompts = ["Question one?", "A much longer second question, with more words in it?", "Q3", "Four"]
     stats = EpisodeStats()
     trajs = run_episodes(model, tok, prompts, {"search": fake_search}, config=cfg, protocol=Frequent(),
@@ -51,7 +49,7 @@ def test_recorded_logprobs_equal_teacher_forcing(setup):
     assert sum(t.n_tool_calls for t in trajs) >= 4  # the episodes really are multi-turn
     assert any(t.n_turns == 4 for t in trajs)
     for t in trajs:
-        seq = np.array(t.prompt_ids + t.response_ids)
+        seq = np.concatenate([t.prompt_ids, t.response_ids])
         logits = np.asarray(model.logits(seq[None]))[0]
         logp = np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
         p = len(t.prompt_ids)
@@ -76,7 +74,7 @@ def test_recorded_logprobs_equal_teacher_forcing(setup):
 def test_tool_failures_become_observations(setup):
     model, tok = setup
     cfg = EpisodeConfig(max_turns=2, max_response_tokens=4, max_obs_tokens=32, tool_timeout_s=0.5,
-                        sampler=Sampler(1.0))
+                        temperature=1.0, top_p=1.0)
 
     def crashing(queries):
         raise ConnectionError("retriever down")

@@ -183,7 +183,7 @@ def tiny(tmp_path_factory):
 
 
 def test_tiny_model_search_then_cli_resume(tiny, tmp_path, monkeypatch, capsys):
-    """3 world questions through the Python API, then `car-jax eval --resume` over 6: only the
+    """3 world questions through the Python API, then `car-jax eval output.resume=true` over 6: only the
     3 new ones run (same shapes, so the CLI reuses the compiled decode loop)."""
     from car_jax import cli
 
@@ -199,9 +199,9 @@ def test_tiny_model_search_then_cli_resume(tiny, tmp_path, monkeypatch, capsys):
     finally:
         retriever.close()
     assert first["run"]["new_examples"] == 3 and len(_lines(out / "samples.jsonl")) == 3
-    argv = ["eval", "--model", str(folder), "--tokenizer", str(smollm2_gguf()), "--mode", "search",
-            "--limit", "6", "--batch-size", "3", "--max-turns", "1", "--max-response-tokens", "8",
-            "--max-obs-tokens", "32", "--n-boot", "50", "--out", str(out), "--resume"]
+    argv = ["eval", f"model.path={folder}", f"model.tokenizer={smollm2_gguf()}", "mode=search",
+            "data.limit=6", "batch_size=3", "episode.max_turns=1", "episode.max_response_tokens=8",
+            "episode.max_obs_tokens=32", "output.n_boot=50", f"output.dir={out}", "output.resume=true"]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "ECE" in printed and "format valid" in printed and "world:dev" in printed
@@ -217,7 +217,7 @@ def test_tiny_model_search_then_cli_resume(tiny, tmp_path, monkeypatch, capsys):
     _check_summary_matches(summary, samples)
     assert (out / "reliability.png").is_file()
     with pytest.raises(SystemExit, match="no such file"):
-        cli.main(["eval", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o2")])
+        cli.main(["eval", f"model.path={tmp_path / 'missing'}", f"output.dir={tmp_path / 'o2'}"])
 
 
 def test_embedded_smollm2_direct(smollm2_hf, tmp_path):

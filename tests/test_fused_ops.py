@@ -5,7 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from car_jax.models import xla_cpu
 from car_jax.models.fused import softmax, swiglu
+
+# the backward passes' operand transposes: the plain policy's and XLA:CPU's real copy
+TRANSPOSES = pytest.mark.parametrize("transpose", [jnp.transpose, xla_cpu.transposed], ids=["plain", "xla_cpu"])
 
 
 def _plain_swiglu(x, wg, wu, wd):
@@ -20,15 +24,17 @@ def _arrays(dtype, n=37, d=24, f=40, seed=0):
     return args, jnp.asarray(rng.normal(size=(n, d)), dtype)
 
 
+@TRANSPOSES
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-def test_swiglu_value_and_gradients(dtype, tol):
+def test_swiglu_value_and_gradients(dtype, tol, transpose):
     args, cot = _arrays(dtype)
     loss = lambda f: (lambda *a: (f(*a).astype(jnp.float32) * cot.astype(jnp.float32)).sum())
-    ours, theirs = swiglu(*args), _plain_swiglu(*args)
+    ours_fn = lambda *a: swiglu(*a, transpose=transpose)  # noqa: E731
+    ours, theirs = ours_fn(*args), _plain_swiglu(*args)
     assert ours.dtype == dtype and ours.shape == (37, 24)
     scale = float(jnp.abs(theirs.astype(jnp.float32)).max())
     assert float(jnp.abs((ours - theirs).astype(jnp.float32)).max()) <= tol * scale
-    g_ours = jax.grad(loss(swiglu), argnums=(0, 1, 2, 3))(*args)
+    g_ours = jax.grad(loss(ours_fn), argnums=(0, 1, 2, 3))(*args)
     # the reference gradient in float32: bf16 autodiff rounds each intermediate, ours
     # keeps the elementwise chain in float32, so both are compared to the exact one
     g_ref = jax.grad(loss(_plain_swiglu), argnums=(0, 1, 2, 3))(*(a.astype(jnp.float32) for a in args))
@@ -51,3 +57,11 @@ def test_softmax_value_and_gradient_with_masked_entries():
     # a hand-worked row: softmax([0, log 3]) = [1/4, 3/4]; d(y1)/dx = y1 * ([0, 1] - y1)
     g_row = jax.grad(lambda a: softmax(a)[1])(jnp.array([0.0, np.log(3.0)]))
     np.testing.assert_allclose(g_row, [-3 / 16, 3 / 16], atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_cpu_transposed_is_the_transpose(dtype):
+    a = jnp.asarray(np.random.default_rng(2).normal(size=(5, 7)), dtype)
+    got = jax.jit(xla_cpu.transposed)(a)
+    assert got.shape == (7, 5) and got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(a, np.float32).T)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import car_jax
 from car_jax.assets import smollm2_gguf
+from car_jax.models.policy import PLAIN, XLA_CPU
 from car_jax.rollout.generate import generate, generate_ids
 from car_jax.rollout.sampling import Sampler, truncate
 from car_jax.rollout.stops import STOP, matches, stop_tables, token_texts
@@ -17,10 +18,11 @@ PROMPTS = ["What is the capital of France?", "Name three primary colors.",
            "Write one short sentence about the ocean and the moon at night, please.", "Hi"]
 
 
-def test_greedy_equals_transformers_generate(smollm2_hf):
+@pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
+def test_greedy_equals_transformers_generate(smollm2_hf, policy):
     import torch
     import transformers
-    model = car_jax.load_model(smollm2_hf)
+    model = car_jax.load_model(smollm2_hf, policy=policy)
     tok = car_jax.load_tokenizer(smollm2_hf)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                      add_generation_prompt=True) for p in PROMPTS]
@@ -90,17 +92,25 @@ def test_stop_strings_end_generation(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny")
     build("qwen2", folder, vocab_size=16)
-    return car_jax.load_model(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    return car_jax.load_model(tiny_folder)
 
 
 def _Tok():  # a tokenizer stub for the 16-token tiny model
     return StubTokenizer(16)
 
 
-def test_sampling_frequencies_match_softmax(tiny):
+@pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
+def test_sampling_frequencies_match_softmax(tiny_folder, policy):
+    """Both policies' draws (Gumbel-max, inverse CDF) follow the softmax."""
+    tiny = car_jax.load_model(tiny_folder, policy=policy)
     prompt = [3, 7, 1, 4]
     temperature = 1.7
     n = 4000
@@ -121,7 +131,7 @@ def test_inverse_cdf_draws_match_softmax_over_blocks():
     """The two-level CDF inversion against numpy's softmax on a vocabulary that is not a
     multiple of the block (1000 = 3 x 256 + 232), with the mass spread over tokens in
     several blocks and a whole block (and scattered tokens) truncated away."""
-    from car_jax.rollout.sampling import inverse_cdf
+    from car_jax.models.xla_cpu import inverse_cdf
     rng = np.random.default_rng(1)
     v, n = 1000, 20000
     logits = np.full(v, np.finfo(np.float32).min, np.float32)
@@ -166,7 +176,9 @@ def test_truncate_matches_numpy():
             assert set(np.flatnonzero(keep)) == allowed & nucleus
 
 
-def test_top_k_one_is_greedy(tiny):
+@pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
+def test_top_k_one_is_greedy(tiny_folder, policy):
+    tiny = car_jax.load_model(tiny_folder, policy=policy)
     prompts = [[1, 2, 3], [9, 9]]
     greedy = generate_ids(tiny, _Tok(), prompts, max_new_tokens=8, eos=np.array([], np.int32))
     top1 = generate_ids(tiny, _Tok(), prompts, max_new_tokens=8, sampler=Sampler(1.3, top_k=1),

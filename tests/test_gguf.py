@@ -6,6 +6,7 @@ import transformers
 import car_jax
 from car_jax.assets import smollm2_gguf
 from car_jax.checkpoints.gguf_io import unpermute_rows
+from car_jax.models.policy import PLAIN
 
 TEXTS = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
          "The quick brown fox jumps over the lazy dog. </search>\n\n<answer>"]
@@ -48,6 +49,9 @@ def test_gguf_logits_match_transformers_gguf_loading(reference, smollm2_hf):
         ref = ref_model(torch.as_tensor(tokens)).logits.float().numpy()
     direct = np.asarray(car_jax.load_model(smollm2_gguf()).logits(tokens))
     assert np.abs(direct - ref).max() <= 1e-3
+    # the plain (accelerator) policy computes the same logits as the backend's
+    plain = np.asarray(car_jax.load_model(smollm2_gguf(), policy=PLAIN).logits(tokens))
+    assert np.abs(plain - direct).max() <= 1e-4
     # the converted HF folder gives the same logits, in car_jax and in transformers
     via_hf = np.asarray(car_jax.load_model(smollm2_hf).logits(tokens))
     assert np.abs(via_hf - direct).max() <= 1e-5

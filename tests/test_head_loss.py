@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from car_jax.models.policy import PLAIN, XLA_CPU
 from car_jax.rl import grpo
 from car_jax.rl.head_loss import grpo_head_loss
 
@@ -38,9 +39,13 @@ CONFIGS = [grpo.LossConfig(agg="token-mean", kl_coef=0.05, kl_type="low_var_kl",
            grpo.LossConfig(agg="token-mean", kl_coef=0.0, kl_type="abs", dual_clip=2.0, temperature=1.3)]
 
 
+POLICIES = pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
+
+
+@POLICIES
 @pytest.mark.parametrize("chunk", [1, 3, 128])  # one position a chunk; 3 chunks with padding; one chunk
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.agg}-{c.kl_type}")
-def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk):
+def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk, policy):
     h, w, y, old, ref, adv, mask = inputs(jnp.float32)
     # old log-probs near the policy's, so some ratios fall inside the clip range and some outside
     _, (logp0, _) = plain_loss(h, w, y, old, ref, adv, mask, cfg, grpo.norm_of(mask))
@@ -48,7 +53,7 @@ def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk):
     norm = grpo.norm_of(mask)
 
     def ours(h, w):
-        loss, logp, ent = grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, chunk=chunk)
+        loss, logp, ent = grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, chunk=chunk, policy=policy)
         return loss, (logp, ent)
 
     def plain(h, w):
@@ -69,13 +74,14 @@ def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk):
     assert inside.any() and (~inside).any()
 
 
-def test_bfloat16_gradient_within_rounding():
+@POLICIES
+def test_bfloat16_gradient_within_rounding(policy):
     """bf16 operands: the logit gradient is rounded to 8 mantissa bits before the two
     products, hence 2% (the reference sees the same rounded inputs, in float32)."""
     cfg = CONFIGS[0]
     h, w, y, old, ref, adv, mask = inputs(jnp.bfloat16, seed=2)
     norm = grpo.norm_of(mask)
-    g1 = jax.grad(lambda h, w: grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, chunk=3)[0],
+    g1 = jax.grad(lambda h, w: grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, chunk=3, policy=policy)[0],
                   argnums=(0, 1))(h, w)
     g2 = jax.grad(lambda h, w: plain_loss(h, w, y, old, ref, adv, mask, cfg, norm)[0], argnums=(0, 1))(h, w)
     for a, b in zip(g1, g2):

@@ -1,17 +1,27 @@
-"""Incremental decode through the KV cache equals the full forward, with left padding."""
+"""Incremental decode through the KV cache equals the full forward, with left padding,
+under both execution policies (the plain stacked cache and XLA:CPU's per-layer one)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import car_jax
+from car_jax.models.policy import PLAIN, XLA_CPU
 from tests.hf_factory import build
 
+POLICIES = pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
 
+
+def leaves(cache):
+    """The cache's keys and values as one list of arrays, whatever the layout."""
+    return jax.tree.leaves((cache.k, cache.v))
+
+
+@POLICIES
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama"])
-def test_prefill_then_decode_equals_full_forward(name, tmp_path):
+def test_prefill_then_decode_equals_full_forward(name, policy, tmp_path):
     build(name, tmp_path)
-    model = car_jax.load_model(tmp_path)
+    model = car_jax.load_model(tmp_path, policy=policy)
     rng = np.random.default_rng(0)
     lengths = [12, 7, 10]  # rows of different lengths, left padded to 12
     seqs = [rng.integers(0, 96, size=n) for n in lengths]
@@ -39,11 +49,12 @@ def test_prefill_then_decode_equals_full_forward(name, tmp_path):
         assert np.abs(got - full).max() <= 1e-5
 
 
-def test_holes_in_the_cache_do_not_shift_positions(tmp_path):
+@POLICIES
+def test_holes_in_the_cache_do_not_shift_positions(policy, tmp_path):
     """A chunk where one row has fewer real tokens (an observation shorter than the
     chunk) leaves invalid slots; the row's later tokens see the same logits as without."""
     build("qwen2", tmp_path)
-    model = car_jax.load_model(tmp_path)
+    model = car_jax.load_model(tmp_path, policy=policy)
     rng = np.random.default_rng(1)
     a, b, c = rng.integers(0, 96, size=4), rng.integers(0, 96, size=2), rng.integers(0, 96, size=3)
     cache = model.init_cache(1, 32)
@@ -63,7 +74,8 @@ def test_overflow_is_refused(tmp_path):
         model.forward(jnp.zeros((1, 5), jnp.int32), None, cache)
 
 
-def test_shared_prompt_prefill_equals_a_prefill_per_row(tmp_path):
+@POLICIES
+def test_shared_prompt_prefill_equals_a_prefill_per_row(policy, tmp_path):
     """A GRPO batch repeats each prompt G times: prefill_shared runs the distinct ones and
     copies their cache rows. Logits, keys, values, valid slots and positions equal a
     prefill of every row, and decoding on from either cache gives the same tokens."""
@@ -71,7 +83,7 @@ def test_shared_prompt_prefill_equals_a_prefill_per_row(tmp_path):
     from car_jax.rollout.generate import left_pad
     from car_jax.rollout.sampling import Sampler
     build("qwen2", tmp_path)
-    model = car_jax.load_model(tmp_path)
+    model = car_jax.load_model(tmp_path, policy=policy)
     rng = np.random.default_rng(2)
     prompts = [list(rng.integers(0, 96, size=n)) for n in (5, 9, 3)]
     inverse = np.array([1, 0, 1, 2, 0, 1], np.int32)
@@ -83,7 +95,7 @@ def test_shared_prompt_prefill_equals_a_prefill_per_row(tmp_path):
     got_logits, got = prefill_shared(model.module, model.params, model.init_cache(6, 24), jnp.asarray(tokens_u),
                                      jnp.asarray(valid_u), jnp.asarray(inverse))
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5)
-    for a, b in zip(got.k + got.v, want.k + want.v):
+    for a, b in zip(leaves(got), leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got.valid), np.asarray(want.valid))
     np.testing.assert_array_equal(np.asarray(got.next_pos), [len(r) for r in rows])
@@ -95,7 +107,8 @@ def test_shared_prompt_prefill_equals_a_prefill_per_row(tmp_path):
     np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
 
 
-def test_staged_windowed_decode_equals_decode_over_the_whole_cache(tmp_path):
+@POLICIES
+def test_staged_windowed_decode_equals_decode_over_the_whole_cache(policy, tmp_path):
     """decode_segment(windows=...) samples in stages over the first W_j slots only and
     writes them back: sampled tokens, their log-probs and the returned cache equal one
     decode over all S slots, for one window and for several stages (rows that stop
@@ -104,13 +117,14 @@ def test_staged_windowed_decode_equals_decode_over_the_whole_cache(tmp_path):
     from car_jax.rollout.generate import decode_windows, left_pad
     from car_jax.rollout.sampling import Sampler
     build("qwen2", tmp_path)
-    model = car_jax.load_model(tmp_path)
+    model = car_jax.load_model(tmp_path, policy=policy)
     rng = np.random.default_rng(3)
     tokens, valid = left_pad([list(rng.integers(0, 96, size=n)) for n in (7, 12, 3)], 16, 0)
     capacity, steps = 200, 60
     staged = decode_windows(16, steps, capacity)
     assert staged == (64, 96)  # slots 17..64, then 65..76 (the 96 bucket), well short of 200
-    eos = jnp.asarray([40], jnp.int32)  # with this seed: row 0 stops in the first stage, row 1 does not
+    # with this seed, under each policy's draw: row 0 stops in the first stage, row 1 does not
+    eos = jnp.asarray([40 if policy is XLA_CPU else 42], jnp.int32)
     tables = jnp.zeros((1, 1, model.config.vocab_size), jnp.int32)
     runs = []
     for windows in ((), (96,), staged):
@@ -134,7 +148,7 @@ def test_staged_windowed_decode_equals_decode_over_the_whole_cache(tmp_path):
         np.testing.assert_array_equal(np.asarray(got_cache.valid), np.asarray(want_cache.valid))
         np.testing.assert_array_equal(np.asarray(got_cache.next_pos), np.asarray(want_cache.next_pos))
         assert int(got_cache.index) == int(want_cache.index)
-        for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        for a, b in zip(leaves(got_cache), leaves(want_cache), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 

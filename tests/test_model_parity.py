@@ -6,6 +6,7 @@ import pytest
 
 import car_jax
 from car_jax.models.config import ModelConfig
+from car_jax.models.policy import PLAIN, XLA_CPU
 from tests.hf_factory import CONFIGS, build, hf_logits
 
 
@@ -16,9 +17,13 @@ def hf_pair(request, tmp_path_factory):
     return request.param, folder, torch_model
 
 
-def test_logits_match_transformers(hf_pair):
+POLICIES = pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
+
+
+@POLICIES
+def test_logits_match_transformers(hf_pair, policy):
     name, folder, torch_model = hf_pair
-    model = car_jax.load_model(folder)
+    model = car_jax.load_model(folder, policy=policy)
     tokens = np.random.default_rng(1).integers(0, 96, size=(3, 13))
     ours = np.asarray(model.logits(tokens))
     ref = hf_logits(torch_model, tokens)
@@ -55,15 +60,16 @@ def test_round_trip_through_transformers(hf_pair, tmp_path):
     assert exported == {n for n in original if not (tied and n == "lm_head.weight")}
 
 
-def test_bf16_params_and_compute_stay_close(hf_pair):
+@POLICIES
+def test_bf16_params_and_compute_stay_close(hf_pair, policy):
     # bf16 keeps 8 mantissa bits, so logits move by ~1e-2 relative; the bound checks that
     # nothing is grossly wrong (e.g. a dtype mix-up), not bit parity.
     name, folder, _ = hf_pair
     tokens = np.random.default_rng(3).integers(0, 96, size=(2, 7))
     ref = np.asarray(car_jax.load_model(folder).logits(tokens))
-    half = car_jax.load_model(folder, dtype="bfloat16")
+    half = car_jax.load_model(folder, dtype="bfloat16", policy=policy)
     assert half.params["embed"].dtype.name == "bfloat16"
-    mixed = car_jax.load_model(folder, dtype="bfloat16", param_dtype="float32")
+    mixed = car_jax.load_model(folder, dtype="bfloat16", param_dtype="float32", policy=policy)
     assert mixed.params["embed"].dtype.name == "float32"
     for m in (half, mixed):
         out = np.asarray(m.logits(tokens))
@@ -71,14 +77,15 @@ def test_bf16_params_and_compute_stay_close(hf_pair):
         assert np.abs(out - ref).max() <= 0.05 * np.abs(ref).max()
 
 
-def test_gradients_match_torch_autograd(hf_pair):
+@POLICIES
+def test_gradients_match_torch_autograd(hf_pair, policy):
     """d/dparams of sum(logits * R) for a fixed random R: the hand-written VJPs of the
     decoder (matmuls, SwiGLU, softmax) against torch autograd of the HF model."""
     import jax
     import torch
 
     name, folder, torch_model = hf_pair
-    model = car_jax.load_model(folder)
+    model = car_jax.load_model(folder, policy=policy)
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, 96, size=(3, 11))
     weight = rng.normal(size=(3, 11, 96)).astype(np.float32)

@@ -6,6 +6,7 @@ from jax.sharding import NamedSharding
 
 import car_jax
 from car_jax import sharding as shd
+from car_jax.models.policy import PLAIN, XLA_CPU
 from tests.hf_factory import build
 
 
@@ -49,18 +50,43 @@ def test_mesh_errors_name_the_problem(folder):
         car_jax.load_model(folder, mesh=mesh)
 
 
-def test_cache_on_a_mesh_is_split_and_decodes_the_same(folder):
+@pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
+def test_cache_on_a_mesh_is_split_and_decodes_the_same(folder, policy):
+    """The stacked cache (plain) and the per-layer one (XLA_CPU) on the 8-device mesh:
+    rows over fsdp, kv heads over tp, the layer axis whole; prefill and a decode step
+    give the unsharded logits, and the sharded cache holds the unsharded cache's values."""
     import jax.numpy as jnp
     mesh = car_jax.make_mesh(fsdp=4, tp=2)
-    sharded = car_jax.load_model(folder, mesh=mesh, mode="sample")
-    plain = car_jax.load_model(folder)
+    sharded = car_jax.load_model(folder, mesh=mesh, mode="sample", policy=policy)
+    plain = car_jax.load_model(folder, policy=policy)
     cache = sharded.init_cache(8, 16)
-    assert all(k.sharding.spec == shd.spec_for(shd.DATA_AXES["cache_k"], "sample") for k in cache.k)
-    assert all(v.sharding.spec == shd.spec_for(shd.DATA_AXES["cache_v"], "sample") for v in cache.v)
-    # 8 rows / 4, 4 kv heads / 2; keys [B, K, H, S], values [B, K, S, H]
-    assert cache.k[0].addressable_shards[0].data.shape == (2, 2, 8, 16)
-    assert cache.v[0].addressable_shards[0].data.shape == (2, 2, 16, 8)
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(8, 5)), jnp.int32)
-    got, cache = sharded.forward(tokens, None, cache)
-    ref, _ = plain.forward(tokens, None, plain.init_cache(8, 16))
+    one_layer = policy is XLA_CPU
+    for side, name in ((cache.k, "cache_k"), (cache.v, "cache_v")):
+        want = shd.data_sharding(name, jax.tree.leaves(side)[0].shape, mesh, "sample", one_layer=one_layer).spec
+        assert all(a.sharding.spec == want for a in jax.tree.leaves(side))
+    # 8 rows / 4, 4 kv heads / 2; keys [(L,) B, K, H, S], values [(L,) B, K, S, H]
+    layers = () if one_layer else (2,)
+    assert jax.tree.leaves(cache.k)[0].addressable_shards[0].data.shape == (*layers, 2, 2, 8, 16)
+    assert jax.tree.leaves(cache.v)[0].addressable_shards[0].data.shape == (*layers, 2, 2, 16, 8)
+    if not one_layer:
+        assert shd.DATA_AXES["cache_k"][0] == "layers" and cache.k.shape[0] == 2
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(8, 6)), jnp.int32)
+    got, cache = sharded.forward(tokens[:, :5], None, cache)
+    ref, ref_cache = plain.forward(tokens[:, :5], None, plain.init_cache(8, 16))
     assert np.abs(np.asarray(got) - np.asarray(ref)).max() <= 1e-5
+    got, cache = sharded.forward(tokens[:, 5:], None, cache)
+    ref, ref_cache = plain.forward(tokens[:, 5:], None, ref_cache)
+    assert np.abs(np.asarray(got) - np.asarray(ref)).max() <= 1e-5
+    for a, b in zip(jax.tree.leaves((cache.k, cache.v)), jax.tree.leaves((ref_cache.k, ref_cache.v)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+        assert float(np.abs(np.asarray(b)).max()) > 0
+    np.testing.assert_array_equal(np.asarray(cache.valid), np.asarray(ref_cache.valid))
+
+
+def test_one_layer_sharding_drops_the_layer_axis(folder):
+    mesh = car_jax.make_mesh(fsdp=4, tp=2)
+    stacked = shd.data_sharding("cache_k", (2, 8, 4, 8, 16), mesh, "sample").spec
+    one = shd.data_sharding("cache_k", (8, 4, 8, 16), mesh, "sample", one_layer=True).spec
+    assert tuple(stacked) == (None, *one) and one[0] == "fsdp" and one[1] == "tp"
+    with pytest.raises(shd.ShardingError, match="no leading 'layers' axis"):
+        shd.data_sharding("rows", (8,), mesh, "sample", one_layer=True)

@@ -7,9 +7,12 @@ import pytest
 import car_jax
 from car_jax import sharding as shd
 from car_jax.models.config import ModelConfig
-from car_jax.models.decoder import Decoder, cpu_layer_loop, stack_layers, unstack_layers
+from car_jax.models.decoder import Decoder
+from car_jax.models.policy import PLAIN, XLA_CPU
+from car_jax.models.xla_cpu import stack_layers, unstack_layers
 from car_jax.rl import grpo
-from car_jax.rl.batches import batch_arrays, chunked_logprobs, micro_batches
+from car_jax.rl.batches import chunked_logprobs, micro_batches, to_device
+from car_jax.rl.host_batch import host_batch, micro_plan
 from car_jax.rl.logprobs import token_logprobs
 from car_jax.rl.steps import (
     BATCH_KEYS,
@@ -49,16 +52,20 @@ def make_trajs(n=8, group=2, seed=0):
     return trajs
 
 
-def make_arrays(n=8, group=2, seed=0):
+def make_device_batch(n=8, group=2, seed=0, mesh=None):
+    """(host batch, device batch) of make_trajs with random advantages and reference log-probs."""
     rng = np.random.default_rng(seed + 1)
-    arrays = batch_arrays(make_trajs(n, group, seed), rng.normal(size=n), 0, np.ones(n, bool))
-    arrays["ref_logp"] = np.where(arrays["valid"], rng.normal(-4, 0.2, size=arrays["valid"].shape), 0).astype(np.float32)
-    return arrays
+    host = host_batch(make_trajs(n, group, seed), 0)
+    adv = rng.normal(size=n).astype(np.float32)
+    ref = np.where(host.valid, rng.normal(-4, 0.2, size=host.valid.shape), 0).astype(np.float32)
+    batch = to_device(host, mesh)
+    return host, batch.replace(advantages=jnp.asarray(adv), ref_logp=jnp.asarray(ref))
 
 
-def make_batch(n=8, micro=None, group=2, seed=0, share=True):
+def make_batch(n=8, micro=None, group=2, seed=0, share=True, mesh=None):
     """A train-step batch of n rows in micro-batches of `micro` rows (default: one)."""
-    return micro_batches(make_arrays(n, group, seed), np.arange(n), micro or n, share)
+    host, batch = make_device_batch(n, group, seed, mesh)
+    return micro_batches(batch, micro_plan(host.prompt_of, np.arange(n), micro or n, share), mesh)
 
 
 def full_sequences(trajs):
@@ -66,7 +73,7 @@ def full_sequences(trajs):
     t = max(len(x.prompt_ids) + len(x.response_ids) for x in trajs)
     tokens, valid = np.zeros((len(trajs), t), np.int32), np.zeros((len(trajs), t), bool)
     for i, x in enumerate(trajs):
-        seq = x.prompt_ids + x.response_ids
+        seq = np.concatenate([x.prompt_ids, x.response_ids])
         tokens[i, :len(seq)], valid[i, :len(seq)] = seq, True
     return jnp.asarray(tokens), jnp.asarray(valid)
 
@@ -95,8 +102,8 @@ def test_response_logprobs_equal_the_full_sequence_forward(tiny, shared):
     full logits at the response positions."""
     module, params = tiny
     trajs = make_trajs()
-    arrays = batch_arrays(trajs, np.zeros(8), 0, np.ones(8, bool))
-    batch = micro_batches(arrays, np.arange(8), 8, share=shared)
+    host = host_batch(trajs, 0)
+    batch = micro_batches(to_device(host), micro_plan(host.prompt_of, np.arange(8), 8, share=shared))
     batch = {k: v[0] for k, v in batch.items()}
     assert batch["prompt"].shape[0] == (4 if shared else 8)
     tokens, valid = full_sequences(trajs)
@@ -133,17 +140,18 @@ def test_micro_batches_layout():
     """Each row reads its own trajectory's prompt; shared micro-batches hold each prompt
     once; a mini-batch's rows are all there once; spare prompt slots are all padding."""
     trajs = make_trajs(n=12, group=3)
-    arrays = batch_arrays(trajs, np.zeros(12), 0, np.ones(12, bool))
+    host = host_batch(trajs, 0)
+    device = to_device(host)
     rows = np.random.default_rng(0).permutation(12)
     for share, micro in [(True, 4), (True, 6), (True, 2), (False, 4)]:
-        b = jax.tree.map(np.asarray, micro_batches(arrays, rows, micro, share))
+        b = jax.tree.map(np.asarray, micro_batches(device, micro_plan(host.prompt_of, rows, micro, share)))
         m = len(b["tokens"])
         seen = []
         for i in range(m):
             for j in range(micro):
                 p = b["prompt"][i, b["prompt_index"][i, j]][b["prompt_valid"][i, b["prompt_index"][i, j]]]
                 r = b["tokens"][i, j][b["valid"][i, j]]
-                match = [k for k, t in enumerate(trajs) if t.prompt_ids == list(p) and t.response_ids == list(r)]
+                match = [k for k, t in enumerate(trajs) if list(t.prompt_ids) == list(p) and list(t.response_ids) == list(r)]
                 assert match, (share, micro, i, j)
                 seen.append(match[0])
             if not share or b["prompt"].shape[1] == micro:
@@ -154,14 +162,15 @@ def test_micro_batches_layout():
                 assert not b["prompt_valid"][i, sorted(set(range(b["prompt"].shape[1])) - used)].any()
         assert sorted(seen) == list(range(12))
     # 3 rows per prompt in micro-batches of 6 rows: 2 prompts each
-    assert micro_batches(arrays, rows, 6)["prompt"].shape[1] == 2
+    assert micro_batches(device, micro_plan(host.prompt_of, rows, 6))["prompt"].shape[1] == 2
 
 
 def test_chunked_logprobs_keep_the_row_order(tiny):
     module, params = tiny
     trajs = make_trajs()
-    arrays = batch_arrays(trajs, np.zeros(8), 0, np.ones(8, bool))
-    got = chunked_logprobs(make_logprob_fn(module, 1.0), params, arrays, 2)
+    host = host_batch(trajs, 0)
+    got = np.asarray(chunked_logprobs(make_logprob_fn(module, 1.0), params, to_device(host),
+                                      micro_plan(host.prompt_of, np.arange(8), 2)))
     tokens, valid = full_sequences(trajs)
     want = np.asarray(token_logprobs(module, params, tokens, valid)[0])
     for i, t in enumerate(trajs):
@@ -224,15 +233,15 @@ def test_sharded_step_equals_unsharded(tiny):
     cfg = grpo.LossConfig(kl_coef=0.001)
     opt = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=2, total_steps=10))
 
-    plain = make_train_step(module, opt, cfg)  # one device: 2 micro-batches of 4 rows sharing 2 prompts
+    plain = make_train_step(module, opt, cfg, temperature=1.0)  # one device: 2 micro-batches of 4 rows sharing 2 prompts
     s1, m1 = plain(init_state(jax.tree.map(jnp.copy, params), opt), make_batch(micro=4))  # donates its state
 
     mesh = car_jax.make_mesh(fsdp=4, tp=2)
     sharded_params = shd.shard_params(jax.tree.map(jnp.copy, params), mesh, "train")
     state = init_state(sharded_params, opt, mesh)
     state_sh = state_shardings(state)
-    step = make_train_step(module, opt, cfg, mesh, state_sh)
-    s2, m2 = step(state, make_batch(micro=4, share=False))  # a prompt per row, rows over fsdp
+    step = make_train_step(module, opt, cfg, mesh, state_sh, temperature=1.0)
+    s2, m2 = step(state, make_batch(micro=4, share=False, mesh=mesh))  # a prompt per row, rows over fsdp
     for path, x in shd.flatten_params(s2.params).items():
         assert x.sharding.is_equivalent_to(shd.param_sharding(path, x.shape, mesh), x.ndim)
     # compared on the host: s1 lives on one device, s2 on the mesh
@@ -278,7 +287,7 @@ def test_init_state_is_committed_like_a_stepped_state(tiny):
     uncommitted leaves was: 10 s lost per run on the 135M model)."""
     module, params = tiny
     opt = make_optimizer(OptimConfig(lr=1e-3, total_steps=10))
-    step = make_train_step(module, opt, grpo.LossConfig())
+    step = make_train_step(module, opt, grpo.LossConfig(), temperature=1.0)
     params = jax.device_put(jax.tree.map(jnp.copy, params), jax.devices()[0])  # committed, as load_model's
     state = init_state(params, opt)
     before = jax.tree.map(lambda x: (x.sharding, x.committed), state)
@@ -288,12 +297,12 @@ def test_init_state_is_committed_like_a_stepped_state(tiny):
 
 @pytest.mark.parametrize("dtype,remat", [("float32", False), ("float32", True), ("bfloat16", False)])
 def test_layer_loop_equals_the_scan(tiny, dtype, remat):
-    """Split layers (the Python loop the bf16 train steps use on CPU) give the loss and
-    the gradients of the stacked layers (the scan). In bf16 the two graphs round their
-    bf16 intermediates at different places, hence the 2% tolerance there."""
+    """Split layers (the Python loop the bf16 train steps use under the CPU policy) give
+    the loss and the gradients of the stacked layers (the scan). In bf16 the two graphs
+    round their bf16 intermediates at different places, hence the 2% tolerance there."""
     import dataclasses
     module, params = tiny
-    module = dataclasses.replace(module, dtype=jnp.dtype(dtype), remat=remat)
+    module = dataclasses.replace(module, dtype=jnp.dtype(dtype), remat=remat, policy=XLA_CPU)
     batch = {k: v[0] for k, v in make_batch(n=4).items()}
 
     def loss(p):
@@ -308,6 +317,7 @@ def test_layer_loop_equals_the_scan(tiny, dtype, remat):
     for a, b in zip(jax.tree.leaves(g_loop), jax.tree.leaves(g_scan)):
         scale = float(jnp.abs(b).max())
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=rel * max(scale, 1e-3))
-    # the train steps pick the loop for bf16 on CPU only
-    split = isinstance(cpu_layer_loop(params, module.dtype)["layers"], tuple)
-    assert split == (dtype == "bfloat16" and jax.default_backend() == "cpu")
+    # the train steps pick the loop for bf16 under the CPU policy only
+    split = isinstance(module.policy.train_params(params, module.dtype)["layers"], tuple)
+    assert split == (dtype == "bfloat16")
+    assert PLAIN.train_params(params, module.dtype) is params

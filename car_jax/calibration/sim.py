@@ -16,8 +16,8 @@ The policy (`Params`), for question n of difficulty d_n ~ N(difficulty_mean, dif
     confidence      k ~ Categorical(conf_bias + conf_slope * (a ? h_n : 0)
                                     + (a ? 0 : conf_abstain))
 Abstaining ("I don't know") is the cheapest way to be wrong with q = 0: under Brier at w = 1 it
-earns 0, exactly what a correct answer stated at q = 0 earns (the reward overlap, SPEC.md
-section 2.3). `SimConfig.abstain=False` removes the action, as a control.
+earns 0, exactly what a correct answer stated at q = 0 earns (Brier's reward overlap).
+`SimConfig.abstain=False` removes the action, as a control.
 The confidence head reads h_n, the policy's own chance of being right, as an LLM's stated
 confidence reads the same hidden state as its answer; its gradient reaches `skill` through h_n.
 Logits linear in h can represent a peak at q = h exactly: -(q_k - h)^2 / t = -q_k^2 / t +
@@ -27,8 +27,8 @@ abstention initially states q near 0.
 
 Training: one GRPO step per batch, on-policy, so the PPO ratio is 1, clipping is inactive and
 the loss reduces to -mean(A * log pi(a, c, k)) with A = (r - mean_G r) / (std_G(r, ddof=1) + eps)
-(SPEC.md section 2.5), or A = r - mean_G r with `std_normalize=False` (Dr.GRPO). Adam; the
-skill's steps are `skill_lr_scale` times the heads' (RL moves knowledge less than style);
+(the trainer's `rl.grpo.group_advantages`), or A = r - mean_G r with `std_normalize=False`
+(Dr.GRPO). Adam; the skill's steps are `skill_lr_scale` times the heads' (RL moves knowledge less than style);
 no KL or entropy term (there is no reference model here).
 """
 from __future__ import annotations
@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 from car_jax.calibration import metrics, rewards
+from car_jax.rl import grpo
 
 # (correct bool[B], q f32[B]) -> r f32[B]: a reward with the format always valid.
 OutcomeReward = Callable[[jax.Array, jax.Array], jax.Array]
@@ -115,15 +116,15 @@ def mscr_q_star(p, b1=1.0, b2=1.0) -> jax.Array:
 
 
 def group_advantages(r: jax.Array, eps: float = 1e-6, std_normalize: bool = True) -> jax.Array:
-    """GRPO advantages: r f32[P, G] -> (r - mean_G) / (std_G(ddof=1) + eps), f32[P, G];
-    with std_normalize=False (Dr.GRPO) just r - mean_G.
+    """GRPO advantages with each row of r f32[P, G] a group (`rl.grpo.group_advantages`, the
+    trainer's): (r - mean_G) / (std_G(ddof=1) + eps), f32[P, G]; with std_normalize=False
+    (Dr.GRPO) just r - mean_G.
 
     A group whose rewards are all equal gets A = 0: it carries no learning signal.
     """
-    centered = r - jnp.mean(r, axis=1, keepdims=True)
-    if not std_normalize:
-        return centered
-    return centered / (jnp.std(r, axis=1, keepdims=True, ddof=1) + eps)
+    p, g = r.shape
+    groups = jnp.repeat(jnp.arange(p, dtype=jnp.int32), g)
+    return grpo.group_advantages(r.reshape(-1), groups, std_norm=std_normalize, eps=eps).reshape(p, g)
 
 
 def difficulties(cfg: SimConfig, key: jax.Array) -> jax.Array:

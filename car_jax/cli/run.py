@@ -12,7 +12,6 @@ The sizes are small so that it finishes in minutes on two CPU cores; `car-jax tr
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -30,23 +29,25 @@ def register(sub) -> None:
     p.set_defaults(func=_run)
 
 
-def _evaluate(folder, examples, out_dir: Path, label: str) -> dict:
-    import car_jax
-    from car_jax.data import world_retriever
-    from car_jax.eval.runner import EVAL_EPISODE, evaluate
+def _evaluate(folder, questions: int, out_dir: Path, label: str) -> dict:
+    """The search agent on the first `questions` world dev questions, through `car-jax eval`'s
+    config and job (`car_jax.eval`)."""
+    from car_jax.config import load_config
+    from car_jax.eval.config import EvalConfig
+    from car_jax.eval.job import run_eval
 
-    episode = dataclasses.replace(EVAL_EPISODE, max_turns=2, max_response_tokens=64, max_obs_tokens=256)
-    print(f"\n== evaluating {label} on {len(examples)} world dev questions (search agent) ==")
-    return evaluate(car_jax.load_model(folder, progress=False), car_jax.load_tokenizer(folder), examples,
-                    mode="search", tools={"search": world_retriever()}, episode_config=episode,
-                    out_dir=out_dir, resume=True, n_boot=200, info={"model": label})
+    cfg = load_config(EvalConfig, None, [
+        f"model.path={folder}", "data.path=world", "data.split=dev", f"data.limit={questions}", "mode=search",
+        "episode.max_turns=2", "episode.max_response_tokens=64", "episode.max_obs_tokens=256",
+        f"output.dir={out_dir}", "output.resume=true", "output.n_boot=200"])
+    print(f"\n== evaluating {label} on {questions} world dev questions (search agent) ==")
+    return run_eval(cfg, label=label, log=lambda _: None)
 
 
 def _run(args) -> int:
     import car_jax
     from car_jax.checkpoints.embedded import default_model_dir
     from car_jax.config import load_config
-    from car_jax.data import load_dataset
     from car_jax.eval.runner import compare_table, format_table
     from car_jax.rollout.generate import generate
     from car_jax.train.config import TrainConfig
@@ -64,8 +65,7 @@ def _run(args) -> int:
     del model
 
     out = Path(args.out)
-    dev = load_dataset("world", "dev", args.eval_questions)
-    before = _evaluate(folder, dev, out / "eval_base", "base SmolLM2-135M-Instruct")
+    before = _evaluate(folder, args.eval_questions, out / "eval_base", "base SmolLM2-135M-Instruct")
     print(format_table(before))
 
     cfg = load_config(TrainConfig, None, [
@@ -80,7 +80,7 @@ def _run(args) -> int:
         print(f"step {r['step']}: reward {r['reward']:.3f} accuracy {r['accuracy']:.3f} ece {r['ece']:.3f} "
               f"format_ok {r['format_ok']:.2f} tool calls {r['tool_calls']:.2f}")
 
-    after = _evaluate(out / "train" / "hf", dev, out / "eval_car", "car_jax CAR policy")
+    after = _evaluate(out / "train" / "hf", args.eval_questions, out / "eval_car", "car_jax CAR policy")
     print(format_table(after))
     print(f"\n== before / after CAR training ({before['n']} world dev questions, search agent) ==")
     print(compare_table({"base": before, "CAR": after}))

@@ -10,11 +10,14 @@ def register(sub) -> None:
 
 
 def _run(args) -> int:
-    from car_jax.config import load_config
+    from car_jax.config import ConfigError, load_config
     from car_jax.train.config import TrainConfig
     from car_jax.train.trainer import train
 
-    cfg = load_config(TrainConfig, args.config, args.overrides)
+    try:
+        cfg = load_config(TrainConfig, args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as err:
+        raise SystemExit(f"car-jax train: {err}") from None
     rows = train(cfg)
     if rows:
         last = rows[-1]

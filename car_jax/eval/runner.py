@@ -42,11 +42,10 @@ from car_jax.data.examples import QAExample
 from car_jax.data.prompts import make_prompt
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
 from car_jax.rollout.protocols import TIR, car_search
-from car_jax.rollout.sampling import Sampler
 
 SAMPLES_FILE, SUMMARY_FILE, PLOT_FILE = "samples.jsonl", "summary.json", "reliability.png"
-# greedy decoding (Search-R1 validation), the SPEC's turn / token budgets
-EVAL_EPISODE = EpisodeConfig(max_turns=4, max_response_tokens=500, max_obs_tokens=500, sampler=Sampler(0.0))
+# greedy decoding (Search-R1's validation), 4 search turns of 500 tokens, 500-token observations
+EVAL_EPISODE = EpisodeConfig(max_turns=4, max_response_tokens=500, max_obs_tokens=500, temperature=0.0, top_p=1.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,9 +17,10 @@ from car_jax.checkpoints.gguf_io import GGUFFile
 from car_jax.checkpoints.loader import load_params, save_hf_folder
 from car_jax.checkpoints.safetensors_io import SafetensorsFolder
 from car_jax.checkpoints.sources import is_gguf, load_tokenizer, read_config
-from car_jax.models.cache import KVCache, cache_dtype, init_cache
+from car_jax.models.cache import KVCache
 from car_jax.models.config import ModelConfig, as_dtype
 from car_jax.models.decoder import Decoder
+from car_jax.models.policy import ExecutionPolicy, backend_policy
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -49,23 +50,21 @@ class Model:
         return _forward(self.module, self.params, tokens, valid, cache)
 
     def init_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """An empty cache; on a mesh, rows are split over fsdp and kv heads over tp
-        (the sampling table), so no device holds the whole cache."""
-        cache = init_cache(self.config, batch_size, capacity, cache_dtype(self.module.dtype))
-        if self.mesh is None:
-            return cache
-        put = lambda x, name: jax.device_put(x, shd.data_sharding(name, x.shape, self.mesh, "sample"))  # noqa: E731
-        return KVCache(k=tuple(put(k, "cache_k") for k in cache.k), v=tuple(put(v, "cache_v") for v in cache.v),
-                       valid=put(cache.valid, "cache_rows"), next_pos=put(cache.next_pos, "rows"), index=cache.index)
+        """An empty cache in the layout and dtype of the module's execution policy; on a
+        mesh, rows are split over fsdp and kv heads over tp (the sampling table), so no
+        device holds the whole cache."""
+        return self.module.policy.init_cache(self.config, batch_size, capacity, self.module.dtype, self.mesh)
 
 
 def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, mesh: Mesh | None = None,
-               mode: str = "train", remat: bool = False, progress: bool = True) -> Model:
+               mode: str = "train", remat: bool = False, progress: bool = True,
+               policy: ExecutionPolicy | None = None) -> Model:
     """Loads an HF folder (safetensors, single or sharded) or a `.gguf` file.
 
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype).
     With `mesh`, each tensor goes straight into its NamedSharding from the table in
-    `car_jax.sharding` (`mode` "train" or "sample")."""
+    `car_jax.sharding` (`mode` "train" or "sample"). policy: how the model runs
+    (`models.policy`; default: the one for the backend jax runs on)."""
     path = Path(path)
     compute = as_dtype(dtype)
     storage = as_dtype(param_dtype or dtype)
@@ -83,7 +82,8 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
             cfg = read_config(path)
             source = SafetensorsFolder(path)
         params = load_params(source, cfg, dtype=storage, mesh=mesh, mode=mode, progress=progress)
-    module = Decoder(cfg, dtype=compute, param_dtype=storage, remat=remat)
+    policy = backend_policy() if policy is None else policy
+    module = Decoder(cfg, dtype=compute, param_dtype=storage, remat=remat, policy=policy)
     return Model(cfg, params, module, mesh, path)
 
 

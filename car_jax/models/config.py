@@ -1,10 +1,6 @@
 """Decoder configuration, read from a Hugging Face `config.json` dict.
 
-Dimension letters used across car_jax (declared once, used in einsum strings,
-sharding names and shape comments):
-  B batch, T time (tokens in this call), S cache length, D model width,
-  N query heads, K kv heads, G = N // K query heads per kv head, H head dim,
-  F mlp width, V vocab, L layers.
+Dimension letters (V, D, L, N, K, H, F, G below): see `car_jax.dims`.
 """
 from __future__ import annotations
 

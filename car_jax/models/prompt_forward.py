@@ -9,19 +9,20 @@ so the hidden states, the loss and its gradient equal the plain forward's (up to
 rounding). Only response positions come out: no vocabulary projection is ever spent on
 a prompt token.
 
-Letters: U prompts, P prompt length, B rows, R response length (see models.config).
+Letters (`car_jax.dims`): U prompts, P prompt length, B rows, R response length.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from car_jax.models.cache import cache_dtype
-from car_jax.models.decoder import Block, Decoder, rms_norm
+from car_jax.models.cache import LayerKV
+from car_jax.models.decoder import Decoder
+from car_jax.models.layers import rms_norm
 
 
 def _causal(valid: jax.Array) -> jax.Array:
-    """bool[N, T, T]: query t sees valid keys s <= t, and always itself."""
+    """valid bool[B, T] -> bool[B, T, T]: query t sees valid keys s <= t, and always itself."""
     t = valid.shape[1]
     slot = jnp.arange(t)
     return ((slot[None, :] <= slot[:, None])[None] & valid[:, None, :]) | jnp.eye(t, dtype=bool)[None]
@@ -35,8 +36,9 @@ def prompt_response_hidden(module: Decoder, params, prompt: jax.Array, prompt_va
 
     Returns (last [B, D], hidden [B, R, D]), final-normed in the compute dtype: the hidden
     state at each row's last prompt token (it predicts the first response token) and at
-    each response token. params' layers may be stacked (a `lax.scan`) or split by
-    `unstack_layers` (a Python loop); `module.remat` recomputes each layer backward."""
+    each response token. The layers run as `module.policy.layers.over_layers` says (the
+    plain policy: a `lax.scan` over the stacked layers); `module.remat` recomputes each
+    layer in the backward pass."""
     c, dt = module.cfg, module.dtype
     u, p_len = prompt.shape
     b, r = tokens.shape
@@ -52,27 +54,23 @@ def prompt_response_hidden(module: Decoder, params, prompt: jax.Array, prompt_va
     mask_p = _causal(prompt_valid)  # [U, P, P]
     mask_r = jnp.concatenate([jnp.broadcast_to(take(prompt_valid)[:, None, :], (b, r, p_len)),
                               _causal(valid)], axis=-1)  # [B, R, P + R]: the prompt, then causal
-    block = Block(c, dt, module.param_dtype, parent=None)
+    block = module.block()
     k_heads, h = c.n_kv_heads, c.head_dim
-    cd = cache_dtype(dt)
-    empty = (jnp.zeros((u, k_heads, h, p_len), cd), jnp.zeros((u, k_heads, p_len, h), cd))
+    cd = module.policy.cache_dtype(dt)
+    empty = LayerKV(jnp.zeros((u, k_heads, h, p_len), cd), jnp.zeros((u, k_heads, p_len, h), cd))
 
-    def layer(p, xp, xr):
+    def layer(p, carry):
         # the prompts write their keys / values into an empty cache of P slots; each row
         # reads its prompt's, with R more slots where it writes its own
-        yp, (kp, vp) = block.apply({"params": p}, xp, pos_p, mask_p, empty, 0)
-        kv = (jnp.pad(take(kp), ((0, 0), (0, 0), (0, 0), (0, r))),  # [B, K, H, P + R]
-              jnp.pad(take(vp), ((0, 0), (0, 0), (0, r), (0, 0))))  # [B, K, P + R, H]
+        xp, xr = carry
+        yp, kv = block.apply({"params": p}, xp, pos_p, mask_p, empty, 0)
+        kv = LayerKV(jnp.pad(take(kv.k), ((0, 0), (0, 0), (0, 0), (0, r))),  # [B, K, H, P + R]
+                     jnp.pad(take(kv.v), ((0, 0), (0, 0), (0, r), (0, 0))))  # [B, K, P + R, H]
         yr, _ = block.apply({"params": p}, xr, pos_r, mask_r, kv, p_len)
         return yp, yr
 
     if module.remat:
         layer = jax.checkpoint(layer)
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):  # split by the caller: a Python loop
-        for p in layers:
-            xp, xr = layer(p, xp, xr)
-    else:
-        (xp, xr), _ = jax.lax.scan(lambda carry, p: (layer(p, *carry), None), (xp, xr), layers)
+    xp, xr = module.policy.layers.over_layers(layer, (xp, xr), params["layers"])
     last = rms_norm(take(xp[:, -1]), params["final_norm"], c.norm_eps, dt)  # left-padded: slot P-1
     return last, rms_norm(xr, params["final_norm"], c.norm_eps, dt)

@@ -1,119 +1,138 @@
-"""Host side of an update: trajectories -> padded arrays -> train-step micro-batches.
+"""The device side of an update, and the one function that crosses to it.
 
-Prompts are kept apart from responses, so that the G rows of a GRPO group share one
-prompt forward (`models.prompt_forward`):
+    host = host_batch(trajs, pad_id, keep=..., inputs=..., groups=...)   # numpy (host_batch.py)
+    batch = to_device(host, mesh)                                         # the crossing
+    batch, rewards = score(batch)                   # rewards, advantages: on the device
+    batch = batch.replace(ref_logp=chunked_logprobs(logprob_fn, ref_params, batch, plan, mesh))
+    state, metrics = train_step(state, micro_batches(batch, plan, mesh))
 
-  prompts       int32[U, P]  each distinct prompt of the step once, left-padded
-  prompts_valid bool[U, P]
-  prompt_of     int32[N]     the prompt row n continues
-  tokens        int32[N, R]  row n's response (sampled tokens and tool observations),
-                             right-padded; valid bool[N, R]
-  mask, old_logp, ref_logp   float32[N, R]: loss mask (1 on sampled tokens of kept
-                             rows), the sampler's log-probs, the reference log-probs
-  advantages    float32[N]
+`TrainBatch` holds a HostBatch's arrays (shapes in `host_batch`) as jax.Arrays, plus
+ref_logp float32[B, R] (the reference policy's log-probs) and advantages float32[B],
+computed on the device from the batch itself. Nothing comes back to the host but metrics.
+On a mesh the rows (every [B, ...] array) are split over `fsdp` and the prompts [U, P] are
+replicated (U rarely divides the mesh, and they are small).
 
-A micro-batch (`micro_batches`, the train step's input) carries its own prompts
-[u, P] and `prompt_index` int32[b] into them. P and R are padded to `length_bucket`
-sizes, so a run sees few shapes (few compiles).
+`micro_batches` gathers one mini-batch's micro-batches (`host_batch.MicroPlan`, index
+arrays made on the host from prompt_of) out of the device batch, in the layout and the
+shardings the train step takes (`steps.BATCH_KEYS`, `steps.batch_shardings`).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
+import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from car_jax.calibration.rewards import RewardFn
 from car_jax.rl import grpo
-from car_jax.rollout.decode import SegmentOut
-from car_jax.rollout.episode import Trajectory
-from car_jax.rollout.generate import left_pad, length_bucket
+from car_jax.rl.host_batch import HostBatch, MicroPlan
+from car_jax.rl.steps import Batch, batch_shardings
 
-ROW_KEYS = ("tokens", "valid", "mask", "old_logp", "ref_logp", "advantages")
-
-
-def batch_arrays(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int, keep: np.ndarray
-                 ) -> dict[str, np.ndarray]:
-    """The arrays above for `trajs`; mask is 0 on the rows where `keep` is False."""
-    ids: dict[tuple[int, ...], int] = {}
-    prompt_of = np.array([ids.setdefault(tuple(t.prompt_ids), len(ids)) for t in trajs], np.int32)
-    prompts = list(ids)
-    if min(len(p) for p in prompts) == 0:
-        raise ValueError("a trajectory has an empty prompt: every response must follow at least one token")
-    tokens_p, valid_p = left_pad(prompts, length_bucket(max(len(p) for p in prompts), 16), pad_id)
-    n, width = len(trajs), length_bucket(max(1, max(len(t.response_ids) for t in trajs)), 16)
-    out = {"prompts": tokens_p, "prompts_valid": valid_p, "prompt_of": prompt_of,
-           "tokens": np.full((n, width), pad_id, np.int32), "valid": np.zeros((n, width), bool),
-           "mask": np.zeros((n, width), np.float32), "old_logp": np.zeros((n, width), np.float32),
-           "ref_logp": np.zeros((n, width), np.float32), "advantages": np.asarray(advantages, np.float32)}
-    for i, t in enumerate(trajs):
-        r = len(t.response_ids)
-        out["tokens"][i, :r] = t.response_ids
-        out["valid"][i, :r] = True
-        if keep[i]:
-            out["mask"][i, :r] = t.loss_mask
-        out["old_logp"][i, :r] = t.logprobs
-    return out
+ROW_KEYS = ("tokens", "valid", "mask", "old_logp", "ref_logp", "advantages")  # gathered per micro-batch row
+PROMPT_FIELDS = ("prompts", "prompts_valid")  # replicated on a mesh; every other field is split by row
 
 
-def single_turn_arrays(prompt_ids, out: SegmentOut, rewards: np.ndarray, groups: np.ndarray,
-                       pad_id: int) -> dict[str, np.ndarray]:
-    """`batch_arrays` for one tool-free turn per row: the row's sampled tokens and their
-    recorded log-probs from `generate_ids`, all kept, with GRPO advantages of `rewards`
-    within `groups` (a group id per row)."""
-    trajs = [Trajectory(list(p), [int(t) for t in out.tokens[i, :out.length[i]]],
-                        [float(x) for x in out.logp[i, :out.length[i]]], [1] * int(out.length[i]))
-             for i, p in enumerate(prompt_ids)]
-    adv = grpo.group_advantages(np.asarray(rewards, np.float64), np.asarray(groups))
-    return batch_arrays(trajs, adv, pad_id, np.ones(len(trajs), bool))
+@struct.dataclass
+class TrainBatch:
+    """A step's rows on the device: the HostBatch fields, ref_logp and advantages."""
+    prompts: jax.Array  # int32[U, P]
+    prompts_valid: jax.Array  # bool[U, P]
+    prompt_of: jax.Array  # int32[B]
+    tokens: jax.Array  # int32[B, R]
+    valid: jax.Array  # bool[B, R]
+    mask: jax.Array  # float32[B, R]
+    old_logp: jax.Array  # float32[B, R]
+    correct: jax.Array  # bool[B]
+    q: jax.Array  # float32[B]
+    format_ok: jax.Array  # bool[B]
+    group: jax.Array  # int32[B]
+    ref_logp: jax.Array  # float32[B, R]: 0 until computed (`chunked_logprobs`)
+    advantages: jax.Array  # float32[B]: 0 until scored (`make_scorer`)
 
 
-def micro_batch_rows(arrays: dict[str, np.ndarray], rows: np.ndarray, micro: int, share: bool) -> np.ndarray:
-    """int[M, micro]: the rows of one mini-batch in micro-batches. With `share` they are
-    ordered by prompt first, so a group's rows land in as few micro-batches as possible.
-    The micro-batch gradients are summed, so the order changes no result."""
-    rows = np.asarray(rows)
-    if len(rows) % micro:
-        raise ValueError(f"micro-batch size {micro} does not divide the {len(rows)} rows of the mini-batch")
-    if share:
-        rows = rows[np.argsort(arrays["prompt_of"][rows], kind="stable")]
-    return rows.reshape(-1, micro)
+HOST_FIELDS = tuple(f.name for f in dataclasses.fields(HostBatch))
 
 
-def micro_batches(arrays: dict[str, np.ndarray], rows: np.ndarray, micro: int, share: bool = True
-                  ) -> dict[str, jnp.ndarray]:
-    """The chosen rows of `batch_arrays` as a train-step batch: the ROW_KEYS as
-    [M, micro, ...] plus prompt int32[M, u, P], prompt_valid bool[M, u, P] and
-    prompt_index int32[M, micro]. With `share` (one device), each micro-batch holds each
-    of its distinct prompts once (u = the most any micro-batch needs; spare prompt slots
-    are all padding). Without it (on a mesh, where rows are split over devices), and
-    whenever some micro-batch has `micro` distinct prompts anyway, u = micro and row i's
-    prompt is prompt i: prompt_index is arange(micro) and the step gathers nothing."""
-    chunks = micro_batch_rows(arrays, rows, micro, share)
-    of = arrays["prompt_of"][chunks]  # [M, micro] global prompt ids
-    uniq = [np.unique(o, return_inverse=True) for o in of]  # sorted ids; rows are sorted by id
-    u = max(len(ids) for ids, _ in uniq)
-    if not share or u == micro:
-        pick, index = of, np.broadcast_to(np.arange(micro, dtype=np.int32), of.shape)
+def train_batch_shardings(mesh: Mesh) -> TrainBatch:
+    """A TrainBatch of NamedShardings: rows over fsdp, prompts replicated."""
+    rows, replicated = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())
+    return TrainBatch(**{f.name: replicated if f.name in PROMPT_FIELDS else rows
+                         for f in dataclasses.fields(TrainBatch)})
+
+
+def to_device(host: HostBatch, mesh: Mesh | None = None) -> TrainBatch:
+    """The host -> device crossing of a step's rows: the HostBatch's arrays as a TrainBatch,
+    committed to the first device (no mesh) or laid out on `mesh` (rows over fsdp, prompts
+    replicated); ref_logp and advantages start at 0, on the device.
+
+    The only place where rollout data enters the device. With several processes, each will
+    hold its own rows, and this is where they become global arrays
+    (`jax.make_array_from_process_local_data(sharding, local_rows)`); today every process
+    holds all rows."""
+    b, r = host.tokens.shape
+    if mesh is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = TrainBatch(**{f.name: sharding for f in dataclasses.fields(TrainBatch)})
     else:
-        pick = np.full((len(chunks), u), -1)
-        for m, (ids, _) in enumerate(uniq):
-            pick[m, :len(ids)] = ids
-        index = np.stack([inv for _, inv in uniq]).astype(np.int32)
-    prompt = np.where((pick >= 0)[..., None], arrays["prompts"][pick], 0)
-    prompt_valid = (pick >= 0)[..., None] & arrays["prompts_valid"][pick]
-    out = {k: jnp.asarray(arrays[k][chunks]) for k in ROW_KEYS}
-    return {**out, "prompt": jnp.asarray(prompt, jnp.int32), "prompt_valid": jnp.asarray(prompt_valid),
-            "prompt_index": jnp.asarray(index, jnp.int32)}
+        if b % mesh.shape["fsdp"]:
+            raise ValueError(f"{b} rows cannot be split over mesh axis fsdp of size {mesh.shape['fsdp']}")
+        shardings = train_batch_shardings(mesh)
+    arrays = {name: jax.device_put(getattr(host, name), getattr(shardings, name)) for name in HOST_FIELDS}
+    zeros = {"ref_logp": ((b, r), shardings.ref_logp), "advantages": ((b,), shardings.advantages)}
+    return TrainBatch(**arrays, **{k: jnp.zeros(shape, jnp.float32, device=sh) for k, (shape, sh) in zeros.items()})
 
 
-def chunked_logprobs(logprob_fn, params, arrays: dict[str, np.ndarray], micro: int, share: bool = True
-                     ) -> np.ndarray:
-    """float32[N, R] log-probs of every row's response under params, in micro-batches of
-    `micro` rows, all in one call of the jitted `logprob_fn(params, batch)` (reference and
-    old-policy log-probs; `train_step.make_logprob_fn`)."""
-    n = len(arrays["tokens"])
-    batch = micro_batches(arrays, np.arange(n), micro, share)
-    rows = micro_batch_rows(arrays, np.arange(n), micro, share)
-    logp = np.asarray(logprob_fn(params, batch))  # [M, micro, R]
-    out = np.zeros(arrays["tokens"].shape, np.float32)
-    for m in range(len(rows)):
-        out[rows[m]] = logp[m]
-    return out
+def micro_batches(batch: TrainBatch, plan: MicroPlan, mesh: Mesh | None = None) -> Batch:
+    """The train step's input for one mini-batch (`steps.BATCH_KEYS`): the ROW_KEYS as
+    [M, b, ...], prompt int32[M, u, P], prompt_valid bool[M, u, P] and prompt_index
+    int32[M, b], gathered on the device (on a mesh: in `steps.batch_shardings`)."""
+    return _gather(mesh)(batch, plan.rows, plan.pick, plan.index)
+
+
+@functools.lru_cache(maxsize=8)
+def _gather(mesh: Mesh | None):
+    def gather(batch: TrainBatch, rows, pick, index):
+        out = {k: getattr(batch, k)[rows] for k in ROW_KEYS}
+        spare = (pick < 0)[..., None]
+        slot = jnp.maximum(pick, 0)
+        return {**out, "prompt": jnp.where(spare, 0, batch.prompts[slot]),
+                "prompt_valid": ~spare & batch.prompts_valid[slot], "prompt_index": index}
+
+    return jax.jit(gather) if mesh is None else jax.jit(gather, out_shardings=batch_shardings(mesh))
+
+
+def chunked_logprobs(logprob_fn, params, batch: TrainBatch, plan: MicroPlan, mesh: Mesh | None = None
+                     ) -> jax.Array:
+    """float32[B, R] log-probs of every row's response under params (reference and
+    old-policy log-probs), in the micro-batches of `plan` (which covers every row), all in
+    one call of the jitted `logprob_fn(params, batch [M, b, ...])` (`steps.make_logprob_fn`),
+    then put back in row order: on the device, in the batch's row sharding."""
+    logp = logprob_fn(params, micro_batches(batch, plan, mesh))  # [M, b, R]
+    return _scatter(mesh, batch.tokens.shape[0])(logp, plan.rows)
+
+
+@functools.lru_cache(maxsize=8)
+def _scatter(mesh: Mesh | None, n: int):
+    def scatter(logp, rows):
+        flat = logp.reshape(-1, logp.shape[-1])
+        return jnp.zeros((n, flat.shape[-1]), jnp.float32).at[rows.reshape(-1)].set(flat)
+
+    return jax.jit(scatter) if mesh is None else jax.jit(scatter, out_shardings=NamedSharding(mesh, P("fsdp")))
+
+
+def make_scorer(reward: RewardFn, std_norm: bool = True, mesh: Mesh | None = None):
+    """Jitted `score(batch) -> (batch with advantages, rewards float32[B])`: each row's
+    reward from its reward inputs (correct, q, format_ok) and the GRPO advantages within
+    its group (`grpo.group_advantages`), on the device: the advantages go straight into the
+    train step, and only metrics of the rewards come back."""
+    def score(batch: TrainBatch):
+        rewards = reward(batch.correct, batch.q, batch.format_ok)
+        return batch.replace(advantages=grpo.group_advantages(rewards, batch.group, std_norm=std_norm)), rewards
+
+    if mesh is None:
+        return jax.jit(score)
+    return jax.jit(score, out_shardings=(train_batch_shardings(mesh), NamedSharding(mesh, P("fsdp"))))

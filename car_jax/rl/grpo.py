@@ -9,6 +9,7 @@ Letters: B sequences, T positions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -28,8 +29,11 @@ class LossConfig:
     kl_type: KLType = "low_var_kl"
     entropy_coef: float = 0.0
     agg: AggMode = "token-mean"
-    temperature: float = 1.0  # the rollout temperature: log-probs use logits / T, as sampled
     log_ratio_clamp: float = 20.0
+    # The rollout's log-prob temperature (logits / T, as sampled). Not a config key: the train
+    # step's builder sets it from its `temperature` argument (`steps.make_train_step`), so the
+    # episode config is its only source; the fused head (`head_loss`) reads it from here.
+    temperature: float = dataclasses.field(default=1.0, metadata={"config": False})
 
     def __post_init__(self):
         if self.dual_clip is not None and self.dual_clip <= 1.0:
@@ -38,21 +42,36 @@ class LossConfig:
             raise ValueError(f"temperature={self.temperature} must be > 0 (use 1.0 for greedy rollouts)")
 
 
-def group_advantages(rewards: np.ndarray, group_ids: np.ndarray, *, std_norm: bool = True,
-                     eps: float = 1e-6) -> np.ndarray:
-    """float32[B] advantages: (r - mean_g) / (std_g + eps) within each group id, std with
-    ddof=1 (torch.std), and mean 0 / std 1 for a group of one (as verl). Without std_norm
-    (Dr.GRPO) A = r - mean_g. Host-side: group ids are arbitrary hashables."""
-    rewards = np.asarray(rewards, np.float64)
-    out = np.zeros_like(rewards)
-    groups: dict = {}
-    for i, g in enumerate(group_ids):
-        groups.setdefault(g, []).append(i)
-    for idx in groups.values():
-        r = rewards[idx]
-        mean, std = (r.mean(), r.std(ddof=1)) if len(idx) > 1 else (0.0, 1.0)
-        out[idx] = (r - mean) / (std + eps) if std_norm else r - mean
-    return out.astype(np.float32)
+def group_index(group_ids) -> np.ndarray:
+    """int32[B]: group ids (any hashables: strings, tuples, ints) numbered 0, 1, ... in
+    order of first appearance. Host-side."""
+    seen: dict = {}
+    return np.array([seen.setdefault(g, len(seen)) for g in group_ids], np.int32)
+
+
+def group_advantages(rewards: jax.Array, groups, *, std_norm: bool = True, eps: float = 1e-6) -> jax.Array:
+    """float32[B] advantages: (r - mean_g) / (std_g + eps) within each group, std with ddof=1
+    (torch.std), and mean 0 / std 1 for a group of one (as verl). Without std_norm (Dr.GRPO)
+    A = r - mean_g. rewards float32[B]; groups: int32[B] group numbers in [0, B) (jittable:
+    the trainer's device-side scoring, `calibration.sim`), or on the host any hashable ids
+    (numbered by `group_index` first)."""
+    if not isinstance(groups, jax.Array):
+        groups = group_index(groups)
+    return _group_advantages(jnp.asarray(rewards, jnp.float32), jnp.asarray(groups, jnp.int32), std_norm, eps)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _group_advantages(r: jax.Array, groups: jax.Array, std_norm: bool, eps) -> jax.Array:
+    def group_sum(x):  # [B] -> [B]: the sum of x over each row's group
+        return jax.ops.segment_sum(x, groups, num_segments=r.shape[0])[groups]
+
+    count = group_sum(jnp.ones_like(r))
+    solo = count == 1.0
+    centered = jnp.where(solo, r, r - group_sum(r) / count)
+    if not std_norm:
+        return centered
+    std = jnp.sqrt(group_sum(jnp.square(centered)) / jnp.maximum(count - 1.0, 1.0))
+    return centered / (jnp.where(solo, 1.0, std) + eps)
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: KLType) -> jax.Array:

@@ -13,7 +13,8 @@ at a time.
 The log-probs and entropies come out under `stop_gradient` (for metrics): the gradient
 flows through the loss only.
 
-Letters: B rows, N positions, C chunk, D model width, V vocabulary.
+Letters (`car_jax.dims`): B rows, R positions (response tokens), X flattened rows of a
+chunk (B * C), C positions per chunk, D model width, V vocabulary.
 """
 from __future__ import annotations
 
@@ -22,34 +23,35 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from car_jax.models.policy import PLAIN, ExecutionPolicy
 from car_jax.rl import grpo
 from car_jax.rl.logprobs import from_chunks, head_grads, softmax_stats, to_chunks
 
 
-def _chunk_grads(h, w, y, ctx, inv_t: float, cfg: grpo.LossConfig):
-    """One chunk: h [N, D], w [D, V], y int32[N], ctx (old_logp, ref_logp, advantage,
-    weight) float32[N] each -> (loss [], logp [N], entropy [N], dh [N, D], dw float32[D, V])."""
+def _chunk_grads(h, w, y, ctx, inv_t: float, cfg: grpo.LossConfig, policy: ExecutionPolicy):
+    """One chunk: h [X, D], w [D, V], y int32[X], ctx (old_logp, ref_logp, advantage,
+    weight) float32[X] each -> (loss [], logp [X], entropy [X], dh [X, D], dw float32[D, V])."""
     old, ref, adv, weight = ctx
-    logp, entropy, lse, x = softmax_stats(h, w, y, inv_t, keep=True)
+    logp, entropy, lse, x = softmax_stats(h, w, y, inv_t, keep=True, policy=policy)
     loss_of = lambda lp, ent: (weight * grpo.token_loss(lp, ent, old, ref, adv, cfg)).sum()  # noqa: E731
     loss, (g_lp, g_ent) = jax.value_and_grad(loss_of, argnums=(0, 1))(logp, entropy)
     # p = exp(x - lse) is exponentiated again inside rather than kept from the forward:
-    # one [N, V] buffer less to read
-    dh, dw = head_grads(h, w, y, x, lse, entropy, g_lp, g_ent, inv_t)
+    # one [X, V] buffer less to read
+    dh, dw = head_grads(h, w, y, x, lse, entropy, g_lp, g_ent, inv_t, policy)
     return loss, logp, entropy, dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused(h, w, y, ctx, inv_t, cfg, chunk):
-    return _fused_fwd(h, w, y, ctx, inv_t, cfg, chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused(h, w, y, ctx, inv_t, cfg, chunk, policy):
+    return _fused_fwd(h, w, y, ctx, inv_t, cfg, chunk, policy)[0]
 
 
-def _fused_fwd(h, w, y, ctx, inv_t, cfg, chunk):
+def _fused_fwd(h, w, y, ctx, inv_t, cfg, chunk, policy):
     b, n, d = h.shape
 
     def one_chunk(dw, xs):
         hc, yc, *cc = xs
-        loss, logp, entropy, dh, dwc = _chunk_grads(hc, w, yc, cc, inv_t, cfg)
+        loss, logp, entropy, dh, dwc = _chunk_grads(hc, w, yc, cc, inv_t, cfg, policy)
         return dw + dwc, (loss, logp, entropy, dh)
 
     dw0 = jnp.zeros((d, w.shape[1]), jnp.float32)
@@ -59,7 +61,7 @@ def _fused_fwd(h, w, y, ctx, inv_t, cfg, chunk):
     return out, (from_chunks(dh, b, n), dw.astype(w.dtype))
 
 
-def _fused_bwd(inv_t, cfg, chunk, res, ct):
+def _fused_bwd(inv_t, cfg, chunk, policy, res, ct):
     dh, dw = res
     g = ct[0]  # the loss's cotangent; logp and entropy leave under stop_gradient
     return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None, None
@@ -70,14 +72,15 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 def grpo_head_loss(h: jax.Array, w: jax.Array, tokens: jax.Array, old_logp: jax.Array, ref_logp: jax.Array,
                    advantages: jax.Array, mask: jax.Array, cfg: grpo.LossConfig, norm: grpo.Norm,
-                   chunk: int = 128) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [B, N, D] hidden states predicting tokens int32[B, N], w [D, V] the unembedding;
-    old_logp / ref_logp / mask float32[B, N], advantages float32[B]. Returns (loss,
+                   chunk: int = 128, policy: ExecutionPolicy = PLAIN) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [B, R, D] hidden states predicting tokens int32[B, R], w [D, V] the unembedding;
+    old_logp / ref_logp / mask float32[B, R], advantages float32[B]. Returns (loss,
     logp, entropy): the loss equals `grpo.grpo_loss` of the log-probs and entropies of
     softmax(h @ w / cfg.temperature) (its gradient w.r.t. h and w is exact), and logp /
-    entropy float32[B, N] come out without a gradient."""
+    entropy float32[B, R] come out without a gradient. `policy`: the model's execution
+    policy (how the sums over V and the backward transposes are computed)."""
     adv = jnp.broadcast_to(advantages[:, None].astype(jnp.float32), tokens.shape)
     ref = jnp.zeros_like(old_logp) if ref_logp is None else ref_logp
     ctx = (old_logp, ref, adv, grpo.token_weights(mask, cfg.agg, norm))
-    loss, logp, entropy = _fused(h, w, tokens, ctx, 1.0 / cfg.temperature, cfg, chunk)
+    loss, logp, entropy = _fused(h, w, tokens, ctx, 1.0 / cfg.temperature, cfg, chunk, policy)
     return loss, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(entropy)

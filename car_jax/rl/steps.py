@@ -21,7 +21,8 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from car_jax.models.decoder import Decoder, cpu_layer_loop, stack_layers
+from car_jax.models.decoder import Decoder
+from car_jax.models.xla_cpu import stack_layers
 from car_jax.rl import grpo
 from car_jax.rl.head_loss import grpo_head_loss
 from car_jax.rl.logprobs import response_hidden, response_logprobs, unembedding
@@ -109,38 +110,55 @@ def _micro_loss(params, module: Decoder, micro: Batch, cfg: grpo.LossConfig, nor
     h = response_hidden(module, params, micro["prompt"], micro["prompt_valid"], micro["tokens"], micro["valid"],
                         _prompt_index(micro))
     loss, logp, entropy = grpo_head_loss(h, unembedding(module, params), micro["tokens"], micro["old_logp"],
-                                         micro["ref_logp"], micro["advantages"], micro["mask"], cfg, norm)
+                                         micro["ref_logp"], micro["advantages"], micro["mask"], cfg, norm,
+                                         policy=module.policy)
     _, metrics = grpo.grpo_loss(logp, entropy, micro["old_logp"], micro["ref_logp"], micro["advantages"],
                                 micro["mask"], cfg, norm)
     return loss, metrics
 
 
-def grads_and_metrics(module: Decoder, cfg: grpo.LossConfig, params, batch: Batch):
-    """(summed grads, mean metrics, loss) over the micro-batches of one mini-batch."""
+def accumulate(module: Decoder, micro_loss, params, batch: Batch):
+    """(summed grads, summed metrics, summed loss) of `micro_loss(params, micro, norm) ->
+    (loss, metrics)` over the M micro-batches of one mini-batch [M, b, ...], in a
+    `lax.scan`. `norm` (`grpo.Norm`) is the whole mini-batch's, so each micro-batch's loss
+    and metrics are partial sums (token / sequence weighted) and their sums are exactly the
+    mini-batch's values, and so is the summed gradient. The GRPO and the SFT steps both
+    accumulate here."""
     t = batch["tokens"].shape[-1]
     norm = grpo.norm_of(batch["mask"].reshape(-1, t))
-    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def body(acc, micro):
-        (loss, metrics), grads = grad_fn(params, module, micro, cfg, norm)
+        (loss, metrics), grads = grad_fn(params, micro, norm)
         acc_grads, acc_loss = acc
         return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss), metrics
 
-    params = cpu_layer_loop(params, module.dtype)  # bf16 on CPU: split once; grads come back split
+    params = module.policy.train_params(params, module.dtype)  # XLA_CPU, bf16: split once; grads come back split
     zeros = jax.tree.map(jnp.zeros_like, params)
     (grads, loss), metrics = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), batch)
-    # per-micro metrics are partial sums under the mini-batch norm (token/seq weighted):
-    # summing them gives the mini-batch value
     metrics = jax.tree.map(lambda m: m.sum(0), metrics)
     return stack_layers(grads), metrics, loss
 
 
+def grads_and_metrics(module: Decoder, cfg: grpo.LossConfig, params, batch: Batch):
+    """(summed grads, metrics, loss) of the GRPO loss over the micro-batches of one mini-batch."""
+    return accumulate(module, lambda p, micro, norm: _micro_loss(p, module, micro, cfg, norm), params, batch)
+
+
+def _apply(optimizer: optax.GradientTransformation, state: TrainState, grads) -> TrainState:
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1)
+
+
 def make_train_step(module: Decoder, optimizer: optax.GradientTransformation, cfg: grpo.LossConfig,
-                    mesh: Mesh | None = None, state_shardings=None):
-    """Jitted `train_step(state, batch) -> (state, metrics)`, state donated. With a mesh,
-    batch rows are split over `fsdp` and the state keeps `state_shardings`. Without one,
-    the jitted function is shared by equal (module, optimizer, cfg), so a second run in
+                    mesh: Mesh | None = None, state_shardings=None, *, temperature: float):
+    """Jitted `train_step(state, batch) -> (state, metrics)`, state donated. `temperature` is
+    the rollout's log-prob temperature (`EpisodeConfig.logprob_temperature`): the step's
+    log-probs use logits / temperature, as the sampler's did. With a mesh, batch rows are
+    split over `fsdp` and the state keeps `state_shardings`. Without one, the jitted
+    function is shared by equal (module, optimizer, cfg, temperature), so a second run in
     the same process does not compile again."""
+    cfg = dataclasses.replace(cfg, temperature=temperature)
     if mesh is None:
         return _unsharded_step(module, optimizer, cfg)
     return _build_step(module, optimizer, cfg, mesh, state_shardings)
@@ -155,10 +173,8 @@ def _build_step(module, optimizer, cfg, mesh, state_shardings):
 
     def train_step(state: TrainState, batch: Batch):
         grads, metrics, loss = grads_and_metrics(module, cfg, state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(params, opt_state, state.step + 1), metrics
+        return _apply(optimizer, state, grads), metrics
 
     if mesh is None:
         return jax.jit(train_step, donate_argnums=0)
@@ -169,7 +185,7 @@ def _build_step(module, optimizer, cfg, mesh, state_shardings):
 
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
     """Micro-batch rows over fsdp: [M, b, ...] -> P(None, 'fsdp', ...). On a mesh the
-    prompts are positional (u == b, `batches.micro_batches(share=False)`), so each device
+    prompts are positional (u == b, `host_batch.micro_plan(share=False)`), so each device
     holds its own rows' prompts and the forward gathers nothing across devices."""
     rows2, rows3 = NamedSharding(mesh, P(None, "fsdp")), NamedSharding(mesh, P(None, "fsdp", None))
     return {k: (rows2 if k in ("advantages", "prompt_index") else rows3) for k in BATCH_KEYS}
@@ -190,25 +206,13 @@ def make_logprob_fn(module: Decoder, temperature: float, chunk: int = 128):
 def make_sft_step(module: Decoder, optimizer: optax.GradientTransformation):
     """Jitted supervised warm-start step: token-mean cross-entropy on the masked response
     tokens of a batch (prompt, prompt_valid, prompt_index, tokens, valid, mask; see
-    BATCH_KEYS), micro-batches summed exactly."""
-    def loss_fn(params, micro, norm):
+    BATCH_KEYS), micro-batches summed exactly (`accumulate`)."""
+    def micro_loss(params, micro, norm):
         logp, _ = micro_logprobs(module, params, micro)
-        return -grpo.aggregate(logp, micro["mask"], "token-mean", norm)
+        return -grpo.aggregate(logp, micro["mask"], "token-mean", norm), {}
 
     def step(state: TrainState, batch: Batch):
-        norm = grpo.norm_of(batch["mask"].reshape(-1, batch["tokens"].shape[-1]))
-
-        params = cpu_layer_loop(state.params, module.dtype)
-
-        def body(acc, micro):
-            loss, grads = jax.value_and_grad(loss_fn)(params, micro, norm)
-            return (jax.tree.map(jnp.add, acc[0], grads), acc[1] + loss), None
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, loss), _ = jax.lax.scan(body, (zeros, jnp.zeros(())), batch)
-        grads = stack_layers(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        return (TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1),
-                {"sft_loss": loss, "grad_norm": optax.tree.norm(grads)})
+        grads, _, loss = accumulate(module, micro_loss, state.params, batch)
+        return _apply(optimizer, state, grads), {"sft_loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return jax.jit(step, donate_argnums=0)

@@ -17,15 +17,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from car_jax.models.cache import KVCache, init_cache
-from car_jax.models.decoder import Decoder, unstack_layers
+from car_jax.models.cache import KVCache
+from car_jax.models.decoder import Decoder
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import STOP
 
 
 class SegmentOut(NamedTuple):
-    tokens: jax.Array  # int32[B, M] sampled ids (pad after a row's length)
-    logp: jax.Array  # float32[B, M] recorded log-probs (0 after a row's length)
+    tokens: jax.Array  # int32[B, R] sampled ids (pad after a row's length)
+    logp: jax.Array  # float32[B, R] recorded log-probs (0 after a row's length)
     length: jax.Array  # int32[B] tokens sampled in this segment
     stopped: jax.Array  # bool[B] the row stopped (EOS or pattern); False: ran out of budget
     eos: jax.Array  # bool[B] the stop was an EOS id
@@ -37,7 +37,7 @@ class _Loop(NamedTuple):
     cache: KVCache
     logits: jax.Array  # [B, V] next-token logits
     done: jax.Array  # bool[B]
-    dfa: jax.Array  # int32[B, P]
+    dfa: jax.Array  # int32[B, A] each stop automaton's state
     out: SegmentOut
     key: jax.Array
 
@@ -56,55 +56,26 @@ def _prefill(module: Decoder, params, cache: KVCache, tokens, valid):
 prefill = jax.jit(_prefill, static_argnums=(0,), donate_argnums=(2,))
 
 
-def prefix(cache: KVCache, window: int) -> KVCache:
-    """The cache's first `window` slots (a copy): every slot at or after `window` must be
-    empty, and stays so while the cache is used."""
-    return KVCache(k=tuple(k[..., :window] for k in cache.k), v=tuple(v[:, :, :window] for v in cache.v),
-                   valid=cache.valid[:, :window], next_pos=cache.next_pos, index=cache.index)
-
-
-def put_prefix(cache: KVCache, part: KVCache) -> KVCache:
-    """`cache` with its first slots replaced by `part` (from `prefix`), and part's index
-    and positions."""
-    put = jax.lax.dynamic_update_slice
-    return KVCache(k=tuple(put(k, pk, (0, 0, 0, 0)) for k, pk in zip(cache.k, part.k)),
-                   v=tuple(put(v, pv, (0, 0, 0, 0)) for v, pv in zip(cache.v, part.v)),
-                   valid=put(cache.valid, part.valid, (0, 0)), next_pos=part.next_pos, index=part.index)
-
-
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def prefill_shared(module: Decoder, params, cache: KVCache, tokens, valid, inverse):
     """`prefill` of an empty cache of B rows whose prompts repeat: the U distinct ones,
-    tokens int32[U, W] (valid bool[U, W]), run once, and row b gets a copy of prompt
+    tokens int32[U, P] (valid bool[U, P]), run once, and row b gets a copy of prompt
     inverse[b]'s keys, values and next-token logits (int32[B] into U). Returns
-    (logits float32[B, V], cache with W slots written)."""
-    u, w = tokens.shape
-    small = init_cache(module.cfg, u, w, cache.k[0].dtype)
+    (logits float32[B, V], cache with P slots written)."""
+    u, p = tokens.shape
+    small = module.policy.layers.init_cache(module.cfg, u, p, cache.dtype)
     logits, small = _prefill(module, params, small, tokens, valid)
-    rows = KVCache(k=tuple(k[inverse] for k in small.k), v=tuple(v[inverse] for v in small.v),
-                   valid=small.valid[inverse], next_pos=small.next_pos[inverse], index=small.index)
-    return logits[inverse], put_prefix(cache, rows)
-
-
-def loop_params(module: Decoder, params):
-    """The weights the decode loop reads, computed once outside its `while_loop`. On CPU
-    they are split per layer and cast to the compute dtype: XLA:CPU copies a slice of a
-    stack on every use (the loop would copy all weights every token), and bf16 compute
-    over fp32 storage then streams half the bytes. On accelerators the stack stays as it
-    is: a cast copy would cost device memory (not measured there)."""
-    if jax.default_backend() != "cpu":
-        return params
-    return unstack_layers(jax.tree.map(lambda a: a.astype(module.dtype), params))
+    return logits[inverse], cache.put_prefix(small.rows(inverse))
 
 
 def _grown(full: KVCache, part: KVCache | None, slots: int) -> KVCache:
     """The first `slots` slots of `full` with the loop's cache `part` (its first slots)
     written in: the loop's cache widened for the next stage."""
     if part is not None and part.capacity < full.capacity:
-        full = put_prefix(full, part)
+        full = full.put_prefix(part)
     elif part is not None:
         full = part
-    return full if slots >= full.capacity else prefix(full, slots)
+    return full if slots >= full.capacity else full.prefix(slots)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("windows",), donate_argnums=(4,))
@@ -113,7 +84,7 @@ def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, ca
     """Samples up to `max_steps` tokens per active row.
 
     logits float32[B, V]: next-token logits after the prefill; active bool[B]: rows that
-    take part; eos_ids int32[E]; tables int32[P, S, V] stop automata (see stops.py);
+    take part; eos_ids int32[E]; tables int32[A, Z, V] stop automata (see stops.py);
     key: PRNG key. windows: increasing slot counts W_1 < ... < W_k (the caller guarantees
     index + max_steps <= W_k <= S; see `generate.decode_windows`). The loop runs in
     stages: stage j samples while the cache still has room in its first W_j slots and
@@ -129,7 +100,7 @@ def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, ca
         raise ValueError(f"windows {windows} must increase and end at most at the capacity {cache.capacity}")
     b = logits.shape[0]
     n_pat = tables.shape[0]
-    params = loop_params(module, params)
+    params = module.policy.loop_params(params, module.dtype)  # once, outside the loop
     out = SegmentOut(
         tokens=jnp.zeros((b, max_steps), jnp.int32),
         logp=jnp.zeros((b, max_steps), jnp.float32),
@@ -146,14 +117,14 @@ def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, ca
 
     def body(s: _Loop):
         key, sub = jax.random.split(s.key)
-        tok, lp = sampler(s.logits, sub)
+        tok, lp = sampler(s.logits, sub, module.policy)
         live = ~s.done
         o = s.out
         tokens = o.tokens.at[:, s.step].set(jnp.where(live, tok, 0))
         logp = o.logp.at[:, s.step].set(jnp.where(live, lp, 0.0))
         length = o.length + live
         is_eos = jnp.any(tok[:, None] == eos_ids[None, :], axis=1) & live
-        nxt = tables[jnp.arange(n_pat)[None, :], s.dfa, tok[:, None]]  # [B, P]
+        nxt = tables[jnp.arange(n_pat)[None, :], s.dfa, tok[:, None]]  # [B, A]
         hit = (nxt == STOP) & live[:, None]
         fired = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), -1)
         stop_now = is_eos | (fired >= 0)

@@ -37,11 +37,16 @@ Tool = Callable[[list[str]], list[str]]  # batched: one result text per request
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeConfig:
+    """The settings of a batch of episodes, for training rollouts and evaluation alike (the
+    YAML section `rollout` of `car-jax train`, `episode` of `car-jax eval`). The sampler's
+    settings are plain fields, so a YAML section stays flat; `sampler` builds the Sampler."""
     max_turns: int = 4  # tool-using turns; then one answer-only turn
     max_response_tokens: int = 500  # sampled tokens per turn
     max_obs_tokens: int = 500  # observation tokens per turn (truncated beyond)
     tool_timeout_s: float = 60.0  # per batched tool call
-    sampler: Sampler = Sampler(1.0, top_p=0.95)
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 0.95
+    top_k: int = 0  # 0: off
 
     def __post_init__(self):
         for f in ("max_response_tokens", "max_obs_tokens"):
@@ -49,14 +54,33 @@ class EpisodeConfig:
                 raise ValueError(f"EpisodeConfig.{f}={getattr(self, f)} must be >= 1")
         if self.max_turns < 0:
             raise ValueError(f"EpisodeConfig.max_turns={self.max_turns} must be >= 0")
+        _ = self.sampler  # Sampler checks temperature, top_p and top_k
+
+    @property
+    def sampler(self) -> Sampler:
+        return Sampler(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the recorded log-probs (1 for greedy decoding, as
+        `Sampler.policy_logprobs`): the one the train step's log-probs must use."""
+        return self.temperature or 1.0
+
+
+def _ids(x) -> np.ndarray:
+    return np.asarray(x, np.int32).reshape(-1)
 
 
 @dataclasses.dataclass
 class Trajectory:
-    prompt_ids: list[int]
-    response_ids: list[int] = dataclasses.field(default_factory=list)  # sampled + observation tokens
-    logprobs: list[float] = dataclasses.field(default_factory=list)  # per response token, 0 for observations
-    loss_mask: list[int] = dataclasses.field(default_factory=list)  # 1: sampled by the model
+    """One episode on the host, as numpy arrays: prompt_ids int32[P]; response_ids int32[R]
+    (sampled and observation tokens), logprobs float32[R] (the sampler's, 0 on
+    observations), loss_mask bool[R] (True: sampled by the model). Lists given to the
+    constructor are converted."""
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
+    loss_mask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
     n_turns: int = 0  # segments generated
     n_tool_calls: int = 0
     tool_log: list[dict] = dataclasses.field(default_factory=list)
@@ -65,11 +89,22 @@ class Trajectory:
     answered: bool = False  # ended with an answer action (or EOS in the last turn)
     void_turns: int = 0  # TIR turns with neither code nor answer
 
+    def __post_init__(self):
+        self.prompt_ids, self.response_ids = _ids(self.prompt_ids), _ids(self.response_ids)
+        self.logprobs = np.asarray(self.logprobs, np.float32).reshape(-1)
+        self.loss_mask = np.asarray(self.loss_mask, bool).reshape(-1)
+        if not len(self.response_ids) == len(self.logprobs) == len(self.loss_mask):
+            raise ValueError(f"response_ids, logprobs and loss_mask differ in length: {len(self.response_ids)}, "
+                             f"{len(self.logprobs)}, {len(self.loss_mask)}")
+
     def add(self, ids, logps=None, sampled: bool = True):
-        ids = [int(i) for i in ids]
-        self.response_ids += ids
-        self.logprobs += [float(x) for x in logps] if sampled else [0.0] * len(ids)
-        self.loss_mask += [int(sampled)] * len(ids)
+        """Appends a segment: sampled tokens with their log-probs, or (sampled=False) an
+        observation (log-prob 0, loss mask False)."""
+        ids = _ids(ids)
+        logps = np.asarray(logps, np.float32).reshape(-1) if sampled else np.zeros(len(ids), np.float32)
+        self.response_ids = np.concatenate([self.response_ids, ids])
+        self.logprobs = np.concatenate([self.logprobs, logps])
+        self.loss_mask = np.concatenate([self.loss_mask, np.full(len(ids), sampled, bool)])
 
 
 @dataclasses.dataclass

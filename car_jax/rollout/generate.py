@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from car_jax.models.policy import backend_policy
 from car_jax.rollout.decode import SegmentOut, decode_segment, prefill, prefill_shared
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import stop_tables
@@ -27,22 +28,15 @@ def length_bucket(n: int, smallest: int = 64) -> int:
     return size
 
 
-def default_stages() -> int:
-    """How many decode stages a segment gets by default: 4 on CPU (a 128-token rollout of
-    SmolLM2: 11.5-12.0 s against 12.3-13.5 s in one stage, ~6 s more compile); 1 on
-    accelerators, where compiling the decode loop is the larger cost (~60 s for SmolLM2
-    on an H200) and the gain of more stages is not measured."""
-    return 4 if jax.default_backend() == "cpu" else 1
-
-
 def decode_windows(index: int, max_steps: int, capacity: int, stages: int | None = None) -> tuple[int, ...]:
     """The slot windows of a decode segment of `max_steps` tokens that starts at slot
     `index` (`decode_segment`'s `windows`): the `length_bucket` sizes its tokens pass
-    through (few shapes compile), capped at the capacity, at most the last `stages`
-    (default `default_stages()`) of them; each is one more loop to compile. The segment
-    then attends over the slots it can reach, not over the empty rest of a cache sized
-    for a whole multi-turn episode, and its early tokens over fewer slots than its last."""
-    stages = default_stages() if stages is None else stages
+    through (few shapes compile), capped at the capacity, at most the last `stages` of
+    them (default: the `decode_stages` of the backend's execution policy,
+    `policy.backend_policy()`); each is one more loop to compile. The segment then
+    attends over the slots it can reach, not over the empty rest of a cache sized for a
+    whole multi-turn episode, and its early tokens over fewer slots than its last."""
+    stages = backend_policy().decode_stages if stages is None else stages
     if index + max_steps > capacity:
         raise ValueError(f"a segment of {max_steps} tokens from slot {index} overflows the cache "
                          f"(capacity {capacity}); allocate at least {index + max_steps} slots")
@@ -84,8 +78,8 @@ def eos_ids(model, tokenizer) -> np.ndarray:
 
 
 def prefill_prompts(model, prompt_ids: Sequence[Sequence[int]], extra: int, pad_id: int):
-    """Left-pads the prompts to one width W (a multiple of BUCKET), allocates a cache of
-    W + extra slots and prefills it. On one device each distinct prompt runs once (the G
+    """Left-pads the prompts to one width P (a multiple of BUCKET), allocates a cache of
+    P + extra slots and prefills it. On one device each distinct prompt runs once (the
     copies of a GRPO group share a forward) and its rows get copies of its cache; on a
     mesh, where rows are split over devices, every row runs. Returns (logits float32[B, V],
     cache, prefilled tokens)."""
@@ -108,13 +102,15 @@ def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_n
                  eos: np.ndarray | None = None, stages: int | None = None) -> SegmentOut:
     """Token-level generation for prompts given as id lists; returns the SegmentOut
     (sampled ids, recorded log-probs, lengths, stop flags) as numpy arrays. The decode
-    loop runs in up to `stages` stages of growing cache windows (`decode_windows`)."""
+    loop runs in up to `stages` stages of growing cache windows (`decode_windows`;
+    default: the model's execution policy's `decode_stages`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     logits, cache, _ = prefill_prompts(model, prompt_ids, max_new_tokens, tokenizer.pad_token_id or 0)
     tables = jnp.asarray(stop_tables(tokenizer, stop))
     eos = eos_ids(model, tokenizer) if eos is None else eos
     active = jnp.asarray([len(p) > 0 for p in prompt_ids])
+    stages = model.module.policy.decode_stages if stages is None else stages
     out, _ = decode_segment(model.module, sampler, max_new_tokens, model.params, cache, logits,
                             active, jnp.asarray(eos), tables, jax.random.key(seed),
                             windows=decode_windows(int(cache.index), max_new_tokens, cache.capacity, stages))

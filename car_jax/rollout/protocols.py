@@ -72,5 +72,5 @@ class TIR:
         return f"\n```output\n{result}\n```\n"
 
 
-def tool_names(actions: Sequence[Action]) -> set[str]:
-    return {a.kind for a in actions if a.kind not in (ANSWER, INVALID, VOID)}
+# the config names of the protocols (`rollout.protocol`) -> (factory, the tool kind it calls)
+PROTOCOLS = {"car_search": (car_search, "search"), "search_r1": (SearchR1, "search"), "tir": (TIR, "code")}

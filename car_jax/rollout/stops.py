@@ -4,7 +4,7 @@ A stop pattern is a sequence of strings that must appear in order in the generat
 text of one segment: ("</search>",) or, for a fenced code block, ("```python", "```").
 Each pattern becomes a small automaton over *tokens*: its state is (phase, number of
 characters of the phase string matched so far, KMP style), and a transition table
-[states, V] built on the host from every token's text says where a token takes each
+[Z, V] (Z states) built on the host from every token's text says where a token takes each
 state, or STOP when the pattern completes anywhere inside that token. So "</search>"
 split as "</", "search", ">" and "</search>\n" merged into one token both stop, and the
 on-device check is one table lookup per pattern and step.
@@ -78,7 +78,8 @@ def _table(texts: tuple[str, ...], phases: tuple[str, ...]) -> np.ndarray:
 
 
 def stop_tables(tokenizer, patterns: Sequence[Sequence[str] | str]) -> np.ndarray:
-    """int32[P, S_max, V] transition tables for the patterns (padded states unused)."""
+    """int32[A, Z, V] transition tables, one automaton per pattern (A), over the most
+    states any pattern has (Z; padded states unused)."""
     texts = tuple(token_texts(tokenizer))
     phases = [(p,) if isinstance(p, str) else tuple(p) for p in patterns]
     for p in phases:

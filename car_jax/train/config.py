@@ -1,7 +1,9 @@
 """The training configuration: one small frozen dataclass per concern, composed at the top.
 
 Load with `car_jax.config.load_config(TrainConfig, "configs/X.yaml", ["rl.loss.kl_coef=0"])`;
-every field below is a YAML key (nested by section).
+every field below is a YAML key (nested by section). The episode settings (`rollout`) are
+`rollout.episode.EpisodeConfig`'s, the ones `car-jax eval` reads too, and the tools
+(`tools`) are `rollout.toolbox.ToolsConfig`, shared with eval as well.
 """
 from __future__ import annotations
 
@@ -11,10 +13,13 @@ from typing import Literal
 from car_jax.calibration.rewards import RewardConfig
 from car_jax.rl.grpo import LossConfig
 from car_jax.rl.steps import OptimConfig
+from car_jax.rollout.episode import EpisodeConfig
+from car_jax.rollout.toolbox import ToolsConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelCfg:
+class PolicyConfig:
+    """The policy to train: where it is loaded from and how it runs."""
     path: str = ""  # HF folder, .gguf, car_jax params folder; "" = the embedded SmolLM2-135M-Instruct
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of the policy (optimizer moments follow it)
@@ -22,14 +27,14 @@ class ModelCfg:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshCfg:
+class MeshConfig:
     fsdp: int = -1  # -1: the devices left after tp
     tp: int = 1
     devices: int = 0  # use the first N devices; 0 = all. With one device there is no mesh.
 
 
 @dataclasses.dataclass(frozen=True)
-class DataCfg:
+class DataConfig:
     train: str = "world"  # a dataset path or built-in name (car_jax.data.load_dataset)
     train_split: str | None = "train"
     template: str = "search"  # car_jax.data.prompts.TEMPLATES
@@ -38,26 +43,21 @@ class DataCfg:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutCfg:
+class RolloutConfig(EpisodeConfig):
+    """The episode settings (every EpisodeConfig field: turns, token budgets, tool timeout,
+    temperature, top_p, top_k) plus what only training rollouts have: the GRPO group
+    size and the action protocol. `run_episodes` takes it as its EpisodeConfig."""
     group_size: int = 5  # G trajectories per prompt
-    max_turns: int = 4
-    max_response_tokens: int = 500  # per turn
-    max_obs_tokens: int = 500
-    temperature: float = 1.0
-    top_p: float = 0.95
-    top_k: int = 0
     protocol: Literal["car_search", "search_r1", "tir"] = "car_search"
-    tool_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.group_size < 1:
+            raise ValueError(f"group_size={self.group_size} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
-class ToolCfg:
-    retriever: str = "world"  # "world" (built-in BM25), an index folder, or an http(s) URL of a retrieval server
-    topk: int = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class RLCfg:
+class RLConfig:
     steps: int = 100
     prompts_per_step: int = 512
     mini_batch: int = 0  # trajectories per optimizer update; 0 = the whole step's batch
@@ -65,12 +65,12 @@ class RLCfg:
     epochs: int = 1  # passes over each rollout batch
     adv_std_norm: bool = True  # False: Dr.GRPO advantages (no std division)
     recompute_old_logp: bool = False  # True: old log-probs from a forward pass instead of the sampler's
-    loss: LossConfig = LossConfig()
+    loss: LossConfig = LossConfig()  # its log-prob temperature is the rollout's, not a key here
     optim: OptimConfig = OptimConfig(lr=1e-6, warmup_steps=0, grad_clip=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTCfg:
+class SFTConfig:
     data: str | None = None  # JSONL of {"messages": [...], "response": "..."} or {"prompt", "response"}
     steps: int = 0
     batch: int = 8
@@ -78,7 +78,7 @@ class SFTCfg:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunCfg:
+class RunConfig:
     dir: str = "runs/car"
     checkpoint_every: int = 50
     keep: int = 3
@@ -90,12 +90,12 @@ class RunCfg:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    model: ModelCfg = ModelCfg()
-    mesh: MeshCfg = MeshCfg()
-    data: DataCfg = DataCfg()
-    rollout: RolloutCfg = RolloutCfg()
-    tools: ToolCfg = ToolCfg()
+    model: PolicyConfig = PolicyConfig()
+    mesh: MeshConfig = MeshConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    tools: ToolsConfig = ToolsConfig()
     reward: RewardConfig = RewardConfig()
-    rl: RLCfg = RLCfg()
-    sft: SFTCfg = SFTCfg()
-    run: RunCfg = RunCfg()
+    rl: RLConfig = RLConfig()
+    sft: SFTConfig = SFTConfig()
+    run: RunConfig = RunConfig()

@@ -17,7 +17,8 @@ import numpy as np
 
 from car_jax.calibration.parsing import normalize_answer
 from car_jax.data import make_prompt
-from car_jax.rl.batches import batch_arrays, micro_batches
+from car_jax.rl.batches import micro_batches, to_device
+from car_jax.rl.host_batch import host_batch, micro_plan
 from car_jax.rollout.episode import Trajectory
 from car_jax.rollout.generate import prompt_texts
 
@@ -65,24 +66,25 @@ def tokenize_demos(demos: list[dict], tokenizer) -> list[Trajectory]:
         segments = demo.get("segments") or [{"text": demo["response"], "train": True}]
         for seg in segments:
             ids = tokenizer(seg["text"], add_special_tokens=False)["input_ids"]
-            traj.add(ids, [0.0] * len(ids), sampled=bool(seg["train"]))
+            traj.add(ids, np.zeros(len(ids), np.float32), sampled=bool(seg["train"]))
         out.append(traj)
     return out
 
 
 def run_sft(state, step_fn, trajs: list[Trajectory], *, steps: int, batch: int, pad_id: int, seed: int = 0,
-            log=None, share: bool = True):
-    """`steps` SFT updates of `batch` trajectories each (cycling through a shuffle); with
-    `share`, trajectories with the same prompt run it once (`batches.micro_batches`;
-    False on a mesh). Returns (state, losses)."""
+            log=None, mesh=None):
+    """`steps` SFT updates of `batch` trajectories each (cycling through a shuffle). Each
+    step's rows cross to the device once (`batches.to_device`); without a mesh,
+    trajectories with the same prompt run it once (`host_batch.micro_plan`). Returns
+    (state, losses)."""
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(trajs))
     losses = []
     for step in range(steps):
-        idx = [order[(step * batch + i) % len(trajs)] for i in range(batch)]
-        chosen = [trajs[i] for i in idx]
-        arrays = batch_arrays(chosen, np.zeros(batch, np.float32), pad_id, np.ones(batch, bool))
-        data = micro_batches(arrays, np.arange(batch), batch, share)
+        chosen = [trajs[order[(step * batch + i) % len(trajs)]] for i in range(batch)]
+        host = host_batch(chosen, pad_id)
+        data = micro_batches(to_device(host, mesh), micro_plan(host.prompt_of, np.arange(batch), batch, mesh is None),
+                             mesh)
         state, metrics = step_fn(state, data)
         losses.append(float(metrics["sft_loss"]))
         if log is not None:

@@ -4,9 +4,11 @@ checkpoints, metrics and resume. `car-jax train --config configs/X.yaml key=valu
 One step:
   1. take the next `prompts_per_step` examples (the data position is checkpointed),
   2. run G episodes per prompt with the current policy (KV cache kept across tool calls),
-  3. score them (answer, confidence, format) with the configured reward,
-  4. group advantages, reference log-probs (if kl_coef > 0),
-  5. `epochs` passes of shuffled mini-batches through the jitted train step.
+  3. parse them on the host (answer, confidence, format: string work) into a HostBatch,
+  4. cross to the device once (`batches.to_device`); there the configured reward, the group
+     advantages and the reference log-probs (if kl_coef > 0) are computed from the batch,
+  5. `epochs` passes of shuffled mini-batches, gathered on the device, through the jitted
+     train step. Only metrics come back to the host.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
 from car_jax.config import save_config
 from car_jax.data import load_dataset, make_prompt, world_retriever
 from car_jax.models.api import Model
-from car_jax.rl import grpo
-from car_jax.rl.batches import batch_arrays, chunked_logprobs, micro_batches
+from car_jax.rl.batches import TrainBatch, chunked_logprobs, micro_batches, to_device
+from car_jax.rl.host_batch import HostBatch, host_batch, micro_plan
 from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step
 from car_jax.rollout.episode import EpisodeStats, run_episodes
 from car_jax.train.config import TrainConfig
@@ -72,7 +74,7 @@ class Trainer:
                            show=("sft_loss",)) as log:
             state, _ = run_sft(state, make_sft_step(s.model.module, opt), trajs, steps=cfg.sft.steps,
                                batch=cfg.sft.batch, pad_id=s.tokenizer.pad_token_id or 0, seed=cfg.seed,
-                               log=lambda step, loss: log.log(step, {"sft_loss": loss}), share=s.model.mesh is None)
+                               log=lambda step, loss: log.log(step, {"sft_loss": loss}), mesh=s.model.mesh)
         rl_opt = make_optimizer(cfg.rl.optim)
         s.state = init_state(state.params, rl_opt, s.model.mesh)
         if s.ref_params is not None:
@@ -112,6 +114,8 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------------------
     def rollout(self, step: int, timer: Timer):
+        """G episodes for each of the next prompts, parsed on the host: (trajectories,
+        HostBatch, episode stats)."""
         cfg, s = self.cfg, self.s
         examples = self.next_examples(cfg.rl.prompts_per_step)
         g = cfg.rollout.group_size
@@ -119,67 +123,76 @@ class Trainer:
         policy = Model(s.model.config, s.state.params, s.model.module, s.model.mesh, s.model.source)
         stats = EpisodeStats()
         with timer("rollout"):
-            trajs = run_episodes(policy, s.tokenizer, prompts, s.tools, config=s.episode, protocol=s.protocol,
-                                 seed=cfg.seed * 1_000_003 + step, stats=stats)
+            trajs = run_episodes(policy, s.tokenizer, prompts, s.toolbox.tools, config=cfg.rollout,
+                                 protocol=s.protocol, seed=cfg.seed * 1_000_003 + step, stats=stats)
         with timer("reward"):
             golds = [ex.golden_answers for ex in examples for _ in range(g)]
-            task = examples[0].task
-            inputs = reward_inputs([t.text for t in trajs], golds, task)
-            rewards = np.asarray(s.reward(jnp.asarray(inputs.correct), jnp.asarray(inputs.q),
-                                          jnp.asarray(inputs.format_ok)))
-            groups = np.array([ex.group_id for ex in examples for _ in range(g)], object)
-            adv = grpo.group_advantages(rewards, groups, std_norm=cfg.rl.adv_std_norm)
-        keep = np.array([t.void_turns == 0 for t in trajs])  # TIR: void trajectories leave the loss
-        return trajs, inputs, rewards, adv, keep, stats
+            inputs = reward_inputs([t.text for t in trajs], golds, examples[0].task)
+            host = host_batch(trajs, s.tokenizer.pad_token_id or 0, inputs=inputs,
+                              keep=np.array([t.void_turns == 0 for t in trajs]),  # TIR: void trajectories leave the loss
+                              groups=[ex.group_id for ex in examples for _ in range(g)])
+        return trajs, host, stats
 
-    def update(self, arrays: dict[str, np.ndarray], timer: Timer, step: int) -> dict[str, float]:
-        cfg, s = self.cfg, self.s
-        n = len(arrays["tokens"])
+    def _sizes(self, n: int) -> tuple[int, int]:
+        cfg, mesh = self.cfg, self.s.model.mesh
         mini = cfg.rl.mini_batch or n
         micro = cfg.rl.micro_batch or mini
         if n % mini or mini % micro:
             raise ValueError(f"rl.mini_batch={mini} must divide the {n} trajectories of a step and "
                              f"rl.micro_batch={micro} must divide rl.mini_batch")
-        mesh = s.model.mesh
         if mesh is not None and micro % mesh.shape["fsdp"]:
             raise ValueError(f"rl.micro_batch={micro} trajectories cannot be split over mesh axis fsdp of size "
                              f"{mesh.shape['fsdp']}; use a multiple of {mesh.shape['fsdp']}")
-        share = mesh is None  # on a mesh each device keeps its own rows' prompts (batches.micro_batches)
+        return mini, micro
+
+    def update(self, batch: TrainBatch, prompt_of: np.ndarray, timer: Timer, step: int) -> dict[str, float]:
+        """`epochs` passes of shuffled mini-batches of the device batch through the train
+        step; prompt_of int32[B] (the HostBatch's) lays out the micro-batches."""
+        cfg, s = self.cfg, self.s
+        n = batch.tokens.shape[0]
+        mini, micro = self._sizes(n)
+        mesh = s.model.mesh
+        share = mesh is None  # on a mesh each device keeps its own rows' prompts (host_batch.micro_plan)
         with timer("logprobs"):
+            every_row = micro_plan(prompt_of, np.arange(n), micro, share)
             if cfg.rl.loss.kl_coef:
-                arrays["ref_logp"] = chunked_logprobs(s.logprob_fn, s.ref_params, arrays, micro, share)
+                batch = batch.replace(ref_logp=chunked_logprobs(s.logprob_fn, s.ref_params, batch, every_row, mesh))
             if cfg.rl.recompute_old_logp:
-                arrays["old_logp"] = chunked_logprobs(s.logprob_fn, s.state.params, arrays, micro, share)
+                batch = batch.replace(old_logp=chunked_logprobs(s.logprob_fn, s.state.params, batch, every_row, mesh))
+            jax.block_until_ready(batch)
         history = []
         rng = np.random.default_rng([cfg.seed, step])
         with timer("update"):
             for _ in range(cfg.rl.epochs):
                 order = rng.permutation(n)
                 for start in range(0, n, mini):
-                    s.state, m = s.train_step(s.state, micro_batches(arrays, order[start:start + mini], micro,
-                                                                             share))
+                    plan = micro_plan(prompt_of, order[start:start + mini], micro, share)
+                    s.state, m = s.train_step(s.state, micro_batches(batch, plan, mesh))
                     history.append(m)
             jax.block_until_ready(s.state.params)
         return {k: float(np.mean([float(h[k]) for h in history])) for k in history[0]}
 
     def step(self, step: int, timer: Timer) -> dict[str, float]:
-        trajs, inputs, rewards, adv, keep, stats = self.rollout(step, timer)
-        arrays = batch_arrays(trajs, adv, self.s.tokenizer.pad_token_id or 0, keep)
-        train_metrics = self.update(arrays, timer, step)
+        trajs, host, stats = self.rollout(step, timer)
+        self._sizes(host.rows)  # a bad batch layout fails before anything is sent
+        batch, rewards = self.s.score(to_device(host, self.s.model.mesh))
+        train_metrics = self.update(batch, host.prompt_of, timer, step)
+        split = timer.split()
+        return {**self._rollout_metrics(trajs, host, rewards, stats, split), **train_metrics, **split}
+
+    @staticmethod
+    def _rollout_metrics(trajs, host: HostBatch, rewards, stats: EpisodeStats, split: dict) -> dict[str, float]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # single-class batches: AUROC is NaN, logged as such
-            calib = cal.calibration(inputs.correct, inputs.q)
-        split = timer.split()
-        sampled = sum(sum(t.loss_mask) for t in trajs)
+            calib = cal.calibration(host.correct, host.q)
+        sampled = sum(int(t.loss_mask.sum()) for t in trajs)
         return {
-            "reward": float(rewards.mean()), "accuracy": calib["accuracy"], "ece": calib["ece"],
-            "auroc": calib["auroc"], "confidence": float(inputs.q.mean()),
-            "format_ok": float(inputs.format_ok.mean()),
+            "reward": float(jnp.mean(rewards)), "accuracy": calib["accuracy"], "ece": calib["ece"],
+            "auroc": calib["auroc"], "confidence": float(host.q.mean()), "format_ok": float(host.format_ok.mean()),
             "response_tokens": sampled / len(trajs), "turns": float(np.mean([t.n_turns for t in trajs])),
             "tool_calls": float(np.mean([t.n_tool_calls for t in trajs])),
             "tokens_per_s": sampled / max(split.get("time/rollout", 0.0), 1e-9),
             "time/tools": stats.seconds_tools,
-            **train_metrics, **split,
         }
 
     def run(self) -> list[dict]:
@@ -199,6 +212,7 @@ class Trainer:
             self.s.tokenizer.save_pretrained(str(out))
         (self.dir / "last_step.json").write_text(json.dumps({"step": cfg.rl.steps, "time": time.time()}))
         self.ckpt.close()
+        self.s.toolbox.close()
         return rows
 
 

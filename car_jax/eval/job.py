@@ -1,0 +1,61 @@
+"""One evaluation from its config: load the model, the data and the mode's tools, run
+`runner.evaluate`, close the tools. `car-jax eval` and `car-jax run` both call `run_eval`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import car_jax
+from car_jax.checkpoints.embedded import default_model_dir
+from car_jax.data import load_dataset
+from car_jax.eval.config import EvalConfig, EvalDataConfig, EvalModelConfig
+from car_jax.eval.runner import evaluate, get_mode
+from car_jax.rollout.toolbox import open_tools
+
+
+class EvalSetupError(ValueError):
+    """The configured model, tokenizer or data cannot be used (message names the key)."""
+
+
+def load_eval_model(cfg: EvalModelConfig):
+    """(model, tokenizer, model path) for `cfg` ("" path: the embedded SmolLM2)."""
+    model_path = Path(cfg.path) if cfg.path else default_model_dir()
+    if not model_path.exists():
+        raise EvalSetupError(f"model.path={str(model_path)!r}: no such file or folder")
+    tok_path = Path(cfg.tokenizer) if cfg.tokenizer else model_path
+    try:
+        tokenizer = car_jax.load_tokenizer(tok_path)
+    except (OSError, ValueError) as err:
+        raise EvalSetupError(f"cannot load a tokenizer from {tok_path} ({err}); set model.tokenizer "
+                             "(an HF folder or .gguf holding one)") from None
+    return car_jax.load_model(model_path, dtype=cfg.dtype), tokenizer, model_path
+
+
+def data_label(cfg: EvalDataConfig) -> tuple[str, str | None]:
+    """(dataset name, split) as the summary and the default output folder name them."""
+    name = cfg.path if cfg.path == "world" else Path(cfg.path).stem
+    return name, cfg.split or ("dev" if cfg.path == "world" else None)
+
+
+def output_dir(cfg: EvalConfig) -> Path:
+    """output.dir, or runs/eval-<mode>-<data>[-<split>]."""
+    if cfg.output.dir:
+        return Path(cfg.output.dir)
+    name, split = data_label(cfg.data)
+    return Path(f"runs/eval-{cfg.mode}-{name}{'-' + split if split else ''}")
+
+
+def run_eval(cfg: EvalConfig, *, label: str | None = None, progress: bool = True, log=print) -> dict:
+    """Evaluates per `cfg`; returns the summary (also in <output dir>/summary.json).
+    `label` names the model in the summary (default: its path)."""
+    examples = load_dataset(cfg.data.path, split=cfg.data.split, limit=cfg.data.limit)
+    name, split = data_label(cfg.data)
+    data = name + (f":{split}" if split else "")
+    out = output_dir(cfg)
+    model, tokenizer, model_path = load_eval_model(cfg.model)
+    with open_tools(get_mode(cfg.mode).tool, cfg.tools) as box:
+        log(f"eval: {len(examples)} examples of {data}, mode {cfg.mode}, model {model_path}, tool {box.label}, "
+            f"out {out}")
+        return evaluate(model, tokenizer, examples, mode=cfg.mode, tools=box.tools, episode_config=cfg.episode,
+                        out_dir=out, batch_size=cfg.batch_size, resume=cfg.output.resume, n_boot=cfg.output.n_boot,
+                        seed=cfg.seed, progress=progress,
+                        info={"model": label or str(model_path), "data": data, "tool": box.label})

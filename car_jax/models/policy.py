@@ -1,0 +1,107 @@
+"""The execution policy: how the model runs on a backend, chosen once per model.
+
+An `ExecutionPolicy` is a frozen, hashable set of variants (small objects and plain
+functions): how the layers iterate and the KV cache is laid out, how backward passes
+transpose matmul operands, how sums over the vocabulary, the tied unembedding, greedy
+picks and sampling draws are computed, the cache dtype, and the default number of decode
+stages. It is a static field of `Decoder`, so it is part of every jit cache key, and
+model code calls it (`module.policy.layers.cached(...)`, `module.policy.draw(...)`)
+rather than testing the backend.
+
+`PLAIN` is the accelerator path, plain JAX: layers scanned over stacked weights in
+training, prefill and decode with one stacked cache (`models.stacked`), `.T`, `sum`,
+`einsum`, `argmax`, `jax.random.categorical`, the cache in the compute dtype, one decode
+stage. `XLA_CPU` swaps in the XLA:CPU layouts and kernels of `models.xla_cpu`, each the
+same numbers as its plain counterpart. `Decoder(cfg)` built without a policy gets
+`PLAIN`; `load_model` asks `backend_policy()`, the one place in car_jax that tests
+which backend runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from car_jax.models import xla_cpu
+from car_jax.models.cache import KVCache
+from car_jax.models.config import ModelConfig
+from car_jax.models.stacked import SCANNED
+
+
+def plain_row_sum(x: jax.Array) -> jax.Array:
+    """x [X, V] -> [X], the sum over V."""
+    return x.sum(axis=-1)
+
+
+def plain_tied_unembed(x: jax.Array, embed: jax.Array, dtype) -> jax.Array:
+    """hidden x [..., D] against the tied embedding [V, D] -> float32 logits [..., V]."""
+    return jnp.einsum("...D,VD->...V", x, embed.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def plain_argmax(x: jax.Array) -> jax.Array:
+    """int32[B]: the first index of the maximum of x [B, V]."""
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+def categorical(scaled: jax.Array, key: jax.Array) -> jax.Array:
+    """int32[B]: one draw per row of softmax(scaled) [B, V] (Gumbel-max)."""
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+
+def compute_dtype_cache(compute_dtype) -> jnp.dtype:
+    """The cache holds keys and values in the compute dtype."""
+    return jnp.dtype(compute_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionPolicy:
+    name: str = "plain"
+    layers: Any = SCANNED  # layer iteration and cache layout: stacked.Scanned or xla_cpu.Unrolled
+    transpose: Callable = jnp.transpose  # a [n, m] -> [m, n], an operand of the hand-written backward matmuls
+    row_sum: Callable = plain_row_sum  # x [X, V] -> [X] (the log-prob head's softmax sums)
+    tied_unembed: Callable = plain_tied_unembed  # (x [..., D], embed [V, D], dtype) -> float32[..., V]
+    argmax: Callable = plain_argmax  # logits [B, V] -> int32[B] (greedy)
+    draw: Callable = categorical  # (scaled logits [B, V], key) -> int32[B] (sampling)
+    cache_dtype: Callable = compute_dtype_cache  # compute dtype -> KV-cache dtype
+    decode_stages: int = 1  # decode stages of a segment by default (`generate.decode_windows`)
+
+    def init_cache(self, cfg: ModelConfig, batch_size: int, capacity: int, compute_dtype,
+                   mesh: Mesh | None = None) -> KVCache:
+        """An empty cache in this policy's layout and dtype (on `mesh`: split as the
+        sampling table says)."""
+        return self.layers.init_cache(cfg, batch_size, capacity, self.cache_dtype(compute_dtype), mesh)
+
+    def train_params(self, params, dtype):
+        """params as a jitted train step for compute dtype `dtype` should read them; take
+        gradients w.r.t. these and restack them with `xla_cpu.stack_layers` (a no-op for
+        stacked layers)."""
+        return self.layers.train_params(params, dtype)
+
+    def loop_params(self, params, dtype):
+        """params as the decode loop reads them, computed once outside its `while_loop`."""
+        return self.layers.loop_params(params, dtype)
+
+
+PLAIN = ExecutionPolicy()
+
+XLA_CPU = ExecutionPolicy(
+    name="xla_cpu",
+    layers=xla_cpu.UNROLLED,
+    transpose=xla_cpu.transposed,
+    row_sum=xla_cpu.dot_row_sum,
+    tied_unembed=xla_cpu.tied_unembed,
+    argmax=xla_cpu.first_argmax,
+    draw=xla_cpu.inverse_cdf,
+    cache_dtype=xla_cpu.float32_cache,
+    decode_stages=4,  # each stage reads fewer cache slots; each is one more loop to compile
+)
+
+
+def backend_policy(backend: str | None = None) -> ExecutionPolicy:
+    """The policy for `backend` (default: the backend jax runs on): XLA_CPU on "cpu",
+    PLAIN on every other."""
+    backend = jax.default_backend() if backend is None else backend
+    return XLA_CPU if backend == "cpu" else PLAIN

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
 
 ANSWER, INVALID, VOID = "answer", "invalid", "void"
 

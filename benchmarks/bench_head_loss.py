@@ -29,12 +29,14 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from car_jax.models.policy import backend_policy
     from car_jax.rl import grpo
     from car_jax.rl.head_loss import grpo_head_loss
     from car_jax.rl.logprobs import chunked_head
 
     d, v, b = 576, 49152, args.rows
     cfg = grpo.LossConfig(kl_coef=0.001)
+    policy = backend_policy()  # the kernels the train step runs on this backend
     rows = []
     for n in args.lengths:
         rng = np.random.default_rng(0)
@@ -46,11 +48,11 @@ def main() -> None:
         norm = grpo.norm_of(mask)
 
         def autodiff(h, w):
-            logp, ent = chunked_head(h, y, w, 1.0)
+            logp, ent = chunked_head(h, y, w, 1.0, policy=policy)
             return grpo.grpo_loss(logp, ent, old, ref, adv, mask, cfg, norm)[0]
 
         def fused(h, w):
-            return grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm)[0]
+            return grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, policy=policy)[0]
 
         times = []
         for fn in (autodiff, fused):

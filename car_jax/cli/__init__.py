@@ -43,6 +43,23 @@ def enable_compilation_cache(min_seconds: float = 1.0) -> str | None:
     return folder
 
 
+def add_config_args(parser: argparse.ArgumentParser, what: str, example: str) -> None:
+    """The `[--config X.yaml] [key=value ...]` arguments of a config-driven sub-command."""
+    parser.add_argument("--config", default=None, help=f"YAML config ({what}); omitted: all defaults")
+    parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
+
+
+def load_config_or_exit(cls, args, command: str):
+    """`config.load_config(cls, args.config, args.overrides)`; a bad file or key ends the
+    command with a one-line message naming it."""
+    from car_jax.config import ConfigError, load_config
+
+    try:
+        return load_config(cls, args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as err:
+        raise SystemExit(f"car-jax {command}: {err}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="car-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

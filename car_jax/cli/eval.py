@@ -13,26 +13,22 @@ The logic lives in `car_jax.eval.job` and `car_jax.eval.runner`.
 """
 from __future__ import annotations
 
+from car_jax.cli import add_config_args, load_config_or_exit
+
 
 def register(sub) -> None:
     p = sub.add_parser("eval", help="accuracy and calibration of a model on a dataset (search / direct / tir)")
-    p.add_argument("--config", default=None, help="YAML config (keys of car_jax.eval.config.EvalConfig); "
-                                                  "omitted: all defaults")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.path=runs/car/hf mode=direct "
-                                                "episode.max_turns=2 output.resume=true")
+    add_config_args(p, "keys of car_jax.eval.config.EvalConfig",
+                    "model.path=runs/car/hf mode=direct episode.max_turns=2 output.resume=true")
     p.set_defaults(func=eval_command)
 
 
 def eval_command(args) -> int:
-    from car_jax.config import ConfigError, load_config
     from car_jax.eval.config import EvalConfig
     from car_jax.eval.job import EvalSetupError, output_dir, run_eval
     from car_jax.eval.runner import format_table
 
-    try:
-        cfg = load_config(EvalConfig, args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as err:
-        raise SystemExit(f"car-jax eval: {err}") from None
+    cfg = load_config_or_exit(EvalConfig, args, "eval")
     try:
         summary = run_eval(cfg)
     except EvalSetupError as err:

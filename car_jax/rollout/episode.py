@@ -10,10 +10,9 @@ prompt tokens get loss-mask 0.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +27,10 @@ from car_jax.rollout.generate import (
     prompt_texts,
     round_up,
 )
-from car_jax.rollout.protocols import ANSWER, INVALID, VOID, Action, SearchR1
+from car_jax.rollout.protocols import ANSWER, VOID, Action, SearchR1
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import stop_tables
-
-Tool = Callable[[list[str]], list[str]]  # batched: one result text per request
-
+from car_jax.rollout.tool_calls import Tool, run_tools
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeConfig:
@@ -115,24 +112,6 @@ class EpisodeStats:
     sampled_tokens: int = 0
 
 
-def call_tool(tool: Tool, name: str, requests: list[str], timeout_s: float) -> list[tuple[str, str | None]]:
-    """Runs one batched tool call; returns (result text, error or None) per request.
-    An exception or a timeout becomes a result text instead of ending the episode."""
-    pool = cf.ThreadPoolExecutor(max_workers=1)
-    try:
-        results = pool.submit(tool, list(requests)).result(timeout=timeout_s)
-        if len(results) != len(requests):
-            raise RuntimeError(f"tool {name!r} returned {len(results)} results for {len(requests)} requests")
-        return [(str(r), None) for r in results]
-    except cf.TimeoutError:
-        err = f"{name} failed: timed out after {timeout_s:g} s"
-    except Exception as exc:  # noqa: BLE001 - any tool crash becomes an observation
-        err = f"{name} failed: {type(exc).__name__}: {exc}"
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    return [(err, err)] * len(requests)
-
-
 def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
                  config: EpisodeConfig = EpisodeConfig(), protocol=SearchR1(), seed: int = 0,
                  stats: EpisodeStats | None = None) -> list[Trajectory]:
@@ -187,7 +166,7 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
             break
 
         t1 = time.perf_counter()
-        results = _run_tools(actions, tools, config.tool_timeout_s, trajs)
+        results = run_tools(actions, tools, config.tool_timeout_s, trajs)
         stats.seconds_tools += time.perf_counter() - t1
 
         t0 = time.perf_counter()
@@ -210,20 +189,3 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
     for traj in trajs:
         traj.text = tokenizer.decode(traj.response_ids, skip_special_tokens=True)
     return trajs
-
-
-def _run_tools(actions: dict[int, Action], tools: dict[str, Tool], timeout_s: float,
-               trajs: list[Trajectory]) -> dict[int, str]:
-    """Calls each tool once for all rows that asked for it; logs every call."""
-    results: dict[int, str] = {}
-    for i, a in actions.items():
-        if a.kind not in tools and a.kind not in (VOID, INVALID):
-            results[i] = f"{a.kind} failed: no tool named {a.kind!r} in this run (have {sorted(tools)})"
-    for name in sorted({a.kind for a in actions.values()} & set(tools)):
-        rows = [i for i, a in actions.items() if a.kind == name]
-        outs = call_tool(tools[name], name, [actions[i].payload for i in rows], timeout_s)
-        for i, (text, err) in zip(rows, outs):
-            results[i] = text
-            trajs[i].n_tool_calls += 1
-            trajs[i].tool_log.append({"tool": name, "request": actions[i].payload, "result": text, "error": err})
-    return results

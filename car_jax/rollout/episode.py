@@ -58,6 +58,13 @@ class EpisodeConfig:
         return Sampler(self.temperature, self.top_p, self.top_k)
 
     @property
+    def max_response_length(self) -> int:
+        """The most response tokens (sampled and observation) one episode can hold: every
+        turn's sampling budget plus every tool turn's observation budget. A constant of the
+        config, e.g. Dr.GRPO's loss horizon (`seq-mean-token-sum-norm`)."""
+        return (self.max_turns + 1) * self.max_response_tokens + self.max_turns * self.max_obs_tokens
+
+    @property
     def logprob_temperature(self) -> float:
         """The temperature of the recorded log-probs (1 for greedy decoding, as
         `Sampler.policy_logprobs`): the one the train step's log-probs must use."""

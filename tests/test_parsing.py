@@ -43,6 +43,22 @@ def test_confidence_table(content, q, ok):
     assert got_q == pytest.approx(q, abs=1e-12)
 
 
+@pytest.mark.parametrize("content", [
+    "\u0668\u0665",  # Arabic-Indic 85
+    "\u06f8\u06f5",  # Extended Arabic-Indic (Persian) 85
+    "\uff18\uff15",  # fullwidth 85
+    "\uff18\uff15%",
+    "8\u0665",  # one ASCII digit, one Arabic-Indic
+    "\U0001d7d6\U0001d7d3",  # mathematical bold 85
+    "\u0968\u0966.5",  # Devanagari 20.5
+])
+def test_confidence_takes_only_ascii_digits(content):
+    assert float(content.rstrip("%")) > 0  # Python reads these digits: the parser must not
+    assert parsing.parse_confidence(f"<confidence>{content}</confidence>") == (0.0, False)
+    ascii_digits = "".join(str(int(c)) if c.isdigit() else c for c in content)
+    assert parsing.parse_confidence(f"<confidence>{ascii_digits}</confidence>")[1]
+
+
 @pytest.mark.parametrize("text, q, ok", [
     ("<answer>x</answer><confidence>70", 0.0, False),  # missing closing tag
     ("<answer>x</answer>", 0.0, False),  # missing tag
@@ -177,3 +193,80 @@ def test_last_boxed(text, boxed):
 ])
 def test_math_equal(pred, golds, equal):
     assert parsing.math_equal(pred, golds) is equal
+
+
+def _last_boxed_before_the_fix(text):
+    """The quadratic last_boxed that the linear one replaced: the reference semantics."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        depth, i = 0, start + len("\\boxed")
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i + 1:j].strip()
+        start = text.rfind("\\boxed{", 0, start)
+    return None
+
+
+BOX_CASES = [
+    "", "\\boxed{", "\\boxed{}", "\\boxed{ a }", "}\\boxed{a}}", "\\boxed{a{b}c}d}",
+    "\\boxed{a} \\boxed{b", "\\boxed{a \\boxed{b}", "\\boxed{a \\boxed{b} c}", "\\boxed{{}", "\\boxed{{}}}",
+    "\\boxed{1} and \\boxed{2{3}", "{\\boxed{x}", "\\boxed x", "\\boxed{\\frac{1}{2}} \\boxed{",
+    "\\boxed\\boxed{7}", "\\boxed{\\boxed{\\boxed{}}", "\\boxed{ \u00a0x\n}",
+]
+
+
+def test_last_boxed_equals_the_old_implementation():
+    import random
+
+    rng = random.Random(0)
+    pieces = ["\\boxed{", "\\boxed", "{", "}", "}", "a", " ", "x^{2}", "\\frac{1}{2}", "\\", "\n"]
+    texts = BOX_CASES + ["".join(rng.choice(pieces) for _ in range(rng.randrange(1, 25))) for _ in range(3000)]
+    for text in texts:
+        assert parsing.last_boxed(text) == _last_boxed_before_the_fix(text), text
+    assert sum(parsing.last_boxed(t) is not None for t in texts) > 1000  # both outcomes are exercised
+    assert sum(parsing.last_boxed(t) is None for t in texts) > 300
+
+
+def _lines_run(fn, text, budget):
+    """Python lines `fn` executes on `text` (sys.settrace), stopping past `budget`: a
+    machine-independent count of the work done, unlike a wall-clock time."""
+    import sys
+
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+            if count > budget:
+                raise RuntimeError(f"more than {budget} lines run")
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is fn.__code__ else None)
+    try:
+        result = fn(text)
+    finally:
+        sys.settrace(previous)
+    return result, count
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda n: "\\boxed{" * n, None),  # every box unbalanced: the old code rescanned to the end from each
+    (lambda n: "\\boxed{a}" + "\\boxed{" * n, "a"),
+    (lambda n: "\\boxed{" + "{" * n, None),
+    (lambda n: ("\\boxed{" + "{") * n + "}", None),
+    (lambda n: "}" * n + "\\boxed{" * n + "}", ""),
+    (lambda n: "\\boxed{" + "{}" * n, None),
+])
+def test_last_boxed_is_linear(make, expected):
+    """The work grows with len(text), not its square: at most 8 Python lines per character
+    (a brace costs at most 6), on hostile inputs of 1x and 8x the size (7 KB and 56 KB for the
+    first); the old scan ran ~len**2 / 7 lines (~7 M on 7 KB) and stops here at the budget."""
+    for n in (1000, 8000):
+        text = make(n)
+        result, lines = _lines_run(parsing.last_boxed, text, budget=8 * len(text) + 100)
+        assert result == expected
+    # and a 210 KB hostile input (149 s for 112 KB before the fix) returns at all
+    assert parsing.last_boxed("\\boxed{b}" + "\\boxed{" * 30_000) == "b"

@@ -55,22 +55,24 @@ def last_tag_content(text: str, tag: str) -> str | None:
     return None
 
 
-# Plain decimal numbers only: digits with an optional fractional part ("85", "85.0", "85.",
-# ".5"), then an optional "%" (spaces allowed before it). No sign, no exponent, no nan/inf.
-_CONF_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*%?")
+# Plain decimal numbers only: ASCII digits 0-9 with an optional fractional part ("85", "85.0",
+# "85.", ".5"), then an optional "%" (ASCII spaces allowed before it). No sign, no exponent, no
+# nan/inf, and no other Unicode digits ("٨٥", "８５"), which `\d` and float() would take.
+_CONF_RE = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%?", re.ASCII)
 
 
 def parse_confidence(text: str) -> tuple[float, bool]:
     """Reads the last `<confidence>` tag of a response: returns (q, ok) with q in [0, 1].
 
     Accepted (after stripping surrounding whitespace inside the tag): a plain decimal number on
-    the 0..100 scale -- an integer ("85"), a decimal ("85.0", "85.", ".5") -- optionally
-    followed by a "%" ("85%", "85 %"). q = value / 100.
+    the 0..100 scale, written with the ASCII digits 0-9 -- an integer ("85"), a decimal ("85.0",
+    "85.", ".5") -- optionally followed by a "%" ("85%", "85 %"). q = value / 100.
     The scale is fixed by the prompt, so "0.85" means 0.85 out of 100 (q = 0.0085); car_jax does
     not guess that the model meant 85.
     Rejected, giving (0.0, False): a missing tag or missing closing tag, an empty tag, a sign
     ("-3", "+5"), exponent notation ("1e2", "1e309"), "NaN", "inf", words, fractions, several
-    numbers, and any value outside [0, 100] ("100.5", "250").
+    numbers, digits other than ASCII 0-9 (Arabic-Indic "٨٥", fullwidth "８５"), and any value
+    outside [0, 100] ("100.5", "250").
     """
     content = last_tag_content(text, "confidence")
     if content is None or _CONF_RE.fullmatch(content) is None:
@@ -186,16 +188,36 @@ def token_f1(prediction: str, golds: Sequence[str]) -> float:
 
 
 # ---------------------------------------------------------------- correctness: math
+_BOXED = "\\boxed{"
+_BRACE_RE = re.compile(r"[{}]")
+
+
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` in `text` (braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    while start != -1:
-        depth, i = 0, start + len("\\boxed")
-        for j in range(i, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                return text[i + 1:j].strip()
-        start = text.rfind("\\boxed{", 0, start)  # unbalanced: try an earlier one
+    """Content of the last `\\boxed{...}` in `text` whose braces balance, stripped; None if none.
+
+    The content runs to the `}` that brings the brace depth back to that of the box's `{`.
+    When the last `\\boxed{` never closes, the ones before it are tried in turn
+    (`\\boxed{1} then \\boxed{2` gives "1"). Linear time in len(text): one pass over the
+    braces matches each `{` to its `}` with a stack, then the boxes are tried from the last.
+    """
+    boxes = []  # positions of the "{" of each \boxed{, in order
+    at = text.find(_BOXED)
+    while at != -1:
+        boxes.append(at + len(_BOXED) - 1)
+        at = text.find(_BOXED, at + len(_BOXED))
+    if not boxes:
+        return None
+    wanted, closing, open_ = set(boxes), {}, []
+    for m in _BRACE_RE.finditer(text, boxes[0]):
+        if m.group() == "{":
+            open_.append(m.start())
+        elif open_:
+            i = open_.pop()
+            if i in wanted:
+                closing[i] = m.start()
+    for i in reversed(boxes):
+        if i in closing:
+            return text[i + 1:closing[i]].strip()
     return None
 
 

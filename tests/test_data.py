@@ -7,6 +7,7 @@ import pytest
 
 from car_jax.calibration import parsing
 from car_jax.data import (
+    LAYOUTS,
     TEMPLATES,
     DatasetError,
     QAExample,
@@ -101,6 +102,56 @@ def test_simpleqa_csv():
         load_dataset(FIXTURES / "simpleqa_missing_answer.csv")
 
 
+AIME_ROWS = [  # the HF hub's AIME 2024 layout (ID, Problem, Solution, Answer; integer answers)
+    {"ID": "2024-I-1", "Problem": "Toy walk: how many minutes does the walk take?", "Solution": "...", "Answer": 204},
+    {"ID": "2024-I-2", "Problem": "Toy logs: find $xy$.", "Solution": "...", "Answer": 25},
+    {"ID": "2024-II-7", "Problem": "Toy digits: find $Q+R$.", "Solution": "...", "Answer": 699},
+]
+
+
+def test_aime_layout(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(AIME_ROWS), tmp_path / "aime_2024.parquet")
+    (tmp_path / "aime_2024.jsonl").write_text("".join(json.dumps(r) + "\n" for r in AIME_ROWS))
+    (tmp_path / "aime_2024.json").write_text(json.dumps(AIME_ROWS))
+    loaded = [load_dataset(tmp_path / f) for f in ("aime_2024.parquet", "aime_2024.jsonl", "aime_2024.json")]
+    assert loaded[0] == loaded[1] == loaded[2]
+    examples = loaded[0]
+    assert [e.id for e in examples] == [r["ID"] for r in AIME_ROWS] == [e.group_id for e in examples]
+    assert [e.golden_answers for e in examples] == [(str(r["Answer"]),) for r in AIME_ROWS]
+    assert all(e.task == "math" and e.data_source == "aime_2024" for e in examples)
+    assert examples[1].question == AIME_ROWS[1]["Problem"] and examples[1].meta == {"Solution": "..."}
+    assert parsing.math_equal("\\boxed{204}", examples[0].golden_answers)
+    # copies without ID: "<file>-<row>" groups, unique; string answers stay as they are
+    (tmp_path / "no_id.jsonl").write_text("".join(json.dumps({"Problem": r["Problem"], "Answer": str(r["Answer"])}) + "\n"
+                                                  for r in AIME_ROWS))
+    no_id = load_dataset(tmp_path / "no_id.jsonl", limit=2)
+    assert [e.group_id for e in no_id] == ["no_id-0", "no_id-1"]
+    assert [e.golden_answers for e in no_id] == [e.golden_answers for e in examples[:2]]
+
+
+def test_columns_pick_the_layout(tmp_path):
+    # SimpleQA's columns in a JSONL file are QA (not MATH-500), a CSV with AIME's columns is math
+    row = {"original_index": 3, "problem": "Who painted the toy ferry?", "answer": "Ivo Brand"}
+    (tmp_path / "simpleqa.jsonl").write_text(json.dumps(row) + "\n")
+    (ex,) = load_dataset(tmp_path / "simpleqa.jsonl")
+    assert (ex.task, ex.id, ex.golden_answers) == ("qa", "simpleqa_verified-3", ("Ivo Brand",))
+    (tmp_path / "aime.csv").write_text("ID,Problem,Answer\n2024-I-1,Toy walk?,204\n")
+    (ex,) = load_dataset(tmp_path / "aime.csv")
+    assert (ex.task, ex.id, ex.golden_answers) == ("math", "2024-I-1", ("204",))
+    # a table that fits no layout names every layout it knows and what each one lacks
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["x"], "label": ["y"]}), tmp_path / "other.parquet")
+    with pytest.raises(DatasetError, match=r"columns \['label', 'prompt'\] fit no known layout") as err:
+        load_dataset(tmp_path / "other.parquet")
+    assert all(f"{layout.name} (" in str(err.value) for layout in LAYOUTS)
+    assert "aime (math: Problem, Answer): missing column(s) ['Problem', 'Answer']" in str(err.value)
+
+
 def test_loader_errors(tmp_path):
     with pytest.raises(DatasetError, match=r"broken.jsonl:2: not valid JSON"):
         load_dataset(FIXTURES / "broken.jsonl")
@@ -115,7 +166,7 @@ def test_loader_errors(tmp_path):
         load_dataset(dup)
     nogold = tmp_path / "nogold.jsonl"
     nogold.write_text('{"question": "q1"}\n')
-    with pytest.raises(DatasetError, match="'golden_answers' or 'answer'"):
+    with pytest.raises(DatasetError, match=r"qa \(qa: .*\): missing column\(s\) \['golden_answers\|answer\|answers'\]"):
         load_dataset(nogold)
     with pytest.raises(DatasetError, match="pass split="):
         load_dataset(tmp_path)

@@ -18,6 +18,9 @@ PACKAGE = ROOT / "car_jax"
 # Packages a base dependency needs at run time but does not declare, on a path the main job
 # takes: transformers' `apply_chat_template` imports jinja2 only when it is called.
 RUNTIME_NEEDS = {"jinja2": "transformers' apply_chat_template (every chat prompt)"}
+# User-facing extras: car_jax imports their packages only inside the functions that need them
+# (tests/test_tfds.py checks that for tfds), with an error naming the extra.
+USER_EXTRAS = ("tfds",)
 
 
 def _dist_name(requirement: str) -> str:
@@ -26,9 +29,11 @@ def _dist_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def base_dependencies() -> set[str]:
+def base_dependencies(*extras: str) -> set[str]:
+    """The base install's distributions, plus those of `extras`."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return {_dist_name(r) for r in project["dependencies"]}
+    extra = [r for name in extras for r in project["optional-dependencies"][name]]
+    return {_dist_name(r) for r in project["dependencies"] + extra}
 
 
 def third_party_imports(root: Path = PACKAGE) -> dict[str, set[str]]:
@@ -63,7 +68,7 @@ def undeclared(imports: dict[str, set[str]], declared: set[str]) -> list[str]:
 
 
 def test_every_imported_package_is_a_base_dependency():
-    bad = undeclared(third_party_imports(), base_dependencies())
+    bad = undeclared(third_party_imports(), base_dependencies(*USER_EXTRAS))
     assert not bad, ("car_jax imports packages the base install lacks; add them to [project] dependencies "
                      "in pyproject.toml or move the import to tests/benchmarks:\n  " + "\n  ".join(bad))
 

@@ -1,5 +1,6 @@
 """A bad checkpoint or an unsupported config fails with the tensor or field named."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -87,3 +88,111 @@ def test_unsupported_config_names_the_field(extra, field):
 def test_config_round_trip():
     cfg = ModelConfig.from_hf({**BASE, "num_key_value_heads": 1, "rope_theta": 5e5, "attention_bias": True})
     assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+
+
+# ---------------------------------------------------------------- damaged files, bad fields
+def _hf_folder(path, config=BASE):
+    """A folder with a config.json and a (small, valid) model.safetensors: enough for
+    load_model to reach the check under test, which comes before any weight is read."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({"model.norm.weight": np.ones(8, np.float32), "model.embed_tokens.weight": np.ones((8, 8), np.float32)},
+              path / "model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("keep", [5, 100, 0.5])  # header too small, header length past the end, data cut
+def test_truncated_safetensors_names_the_file(tmp_path, keep):
+    folder = _hf_folder(tmp_path / "m")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(CheckpointError) as e:
+        car_jax.load_model(folder)
+    assert str(folder / "model.safetensors") in str(e.value) and "truncated" in str(e.value)
+
+
+def test_truncated_shard_names_the_shard(tmp_path):
+    folder = _hf_folder(tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    files = write_safetensors(sorted(tensors.items()), folder, max_shard_bytes=40)
+    assert len(files) == 2
+    shard = folder / files[1]
+    shard.write_bytes(shard.read_bytes()[:-4])
+    with pytest.raises(CheckpointError, match=re.escape(str(shard))):
+        car_jax.load_model(folder)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_invalid_json_names_the_file_and_the_place(tmp_path, name):
+    folder = _hf_folder(tmp_path / "m")
+    (folder / name).write_text('{"model_type": "llama",\n "vocab_size": 8,,}')
+    with pytest.raises(CheckpointError) as e:
+        car_jax.load_model(folder)
+    assert str(folder / name) in str(e.value) and "line 2 column 18" in str(e.value)
+
+
+def test_index_without_a_weight_map(tmp_path):
+    folder = _hf_folder(tmp_path / "m")
+    (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json.*weight_map"):
+        car_jax.load_model(folder)
+
+
+@pytest.mark.parametrize("name", ["nope", "nope.gguf"])
+def test_missing_path_does_not_exist(tmp_path, name):
+    from car_jax.checkpoints.convert import convert
+
+    for load in (car_jax.load_model, lambda p: convert(p, tmp_path / "out")):
+        with pytest.raises(CheckpointError) as e:
+            load(tmp_path / name)
+        assert f"{tmp_path / name} does not exist" in str(e.value) and "no config.json" not in str(e.value)
+
+
+@pytest.mark.parametrize("edit, field, expected", [
+    ({"hidden_size": "32"}, "hidden_size='32' (str)", "a positive integer"),
+    ({"num_hidden_layers": None}, "num_hidden_layers is missing", "a positive integer"),
+    ({"vocab_size": -8}, "vocab_size=-8", "a positive integer"),
+    ({"intermediate_size": 8.5}, "intermediate_size=8.5 (float)", "a positive integer"),
+    ({"num_attention_heads": True}, "num_attention_heads=True (bool)", "a positive integer"),
+    ({"num_key_value_heads": "2"}, "num_key_value_heads='2'", "a positive integer"),
+    ({"head_dim": 0}, "head_dim=0", "a positive integer"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' (str)", "a positive number"),
+    ({"rope_theta": "1e4"}, "rope_theta='1e4'", "a positive number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, "rope_parameters.rope_theta='1e4'",
+     "a positive number"),
+    ({"rope_scaling": "linear"}, "rope_scaling='linear' (str)", "an object"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' (str)", "true or false"),
+    ({"attention_bias": 1}, "attention_bias=1 (int)", "true or false"),
+    ({"bos_token_id": "1"}, "bos_token_id='1'", "a token id"),
+    ({"eos_token_id": [2, "3"]}, "eos_token_id[1]='3'", "a token id"),
+    ({"eos_token_id": -1}, "eos_token_id=-1", "a token id"),
+])
+def test_config_field_of_the_wrong_kind_names_file_field_and_expectation(tmp_path, edit, field, expected):
+    config = {k: v for k, v in {**BASE, **edit}.items() if v is not None}
+    folder = _hf_folder(tmp_path / "m", config)
+    with pytest.raises(CheckpointError) as e:
+        car_jax.load_model(folder)
+    msg = str(e.value)
+    assert msg.startswith(f"{folder / 'config.json'}: field {field}") and expected in msg, msg
+
+
+def test_config_json_that_is_not_an_object(tmp_path):
+    folder = _hf_folder(tmp_path / "m")
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder / 'config.json'}: expected a JSON object")):
+        car_jax.load_model(folder)
+
+
+def test_unsupported_config_from_a_file_names_it(tmp_path):
+    folder = _hf_folder(tmp_path / "m", {**BASE, "hidden_act": "gelu"})
+    with pytest.raises(UnsupportedConfigError, match=re.escape(f"{folder / 'config.json'}: hidden_act='gelu'")):
+        car_jax.load_model(folder)
+
+
+def test_field_checks_keep_valid_values():
+    """Integers stay ints (a JSON float like 32.0 is refused above), defaults fill nulls."""
+    cfg = ModelConfig.from_hf({**BASE, "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1,
+                               "eos_token_id": [2, 3], "bos_token_id": 0, "rope_theta": 500000})
+    assert (cfg.n_kv_heads, cfg.head_dim, cfg.eos_token_id, cfg.bos_token_id) == (2, 4, (2, 3), 0)
+    assert cfg.norm_eps == 1.0 and type(cfg.norm_eps) is float and cfg.rope_theta == 5e5

@@ -8,13 +8,12 @@ encoder does not use (pooler, `embeddings.position_ids`, task heads) are ignored
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from safetensors import safe_open
 
+from car_jax.checkpoints.safetensors_io import open_safetensors, read_json
 from car_jax.models.encoder import EncoderConfig, param_shapes
 
 Transform = Callable[[np.ndarray, EncoderConfig], np.ndarray]
@@ -94,7 +93,7 @@ def load_config(folder: str | Path, dtype: str = "float32") -> EncoderConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}: pass an HF BERT-family model folder")
-    return EncoderConfig.from_hf(json.loads(path.read_text()), dtype=dtype)
+    return EncoderConfig.from_hf(read_json(path), dtype=dtype)
 
 
 def _tensor_files(folder: Path) -> list[Path]:
@@ -131,7 +130,7 @@ def load_params(folder: str | Path, cfg: EncoderConfig | None = None) -> tuple[d
     expected = param_shapes(cfg)
     where: dict = {}  # HF name without "bert." -> (file handle, stored name)
     for file in _tensor_files(folder):
-        handle = safe_open(str(file), framework="numpy")
+        handle = open_safetensors(file)
         for name in handle.keys():  # accept both "x" and "bert.x"
             where.setdefault(name.removeprefix("bert."), (handle, name))
     params: dict = {}

@@ -20,7 +20,7 @@ from car_jax.checkpoints.safetensors_io import (
     SafetensorsFolder,
     write_safetensors,
 )
-from car_jax.checkpoints.sources import load_tokenizer, read_config
+from car_jax.checkpoints.sources import config_from_file, load_tokenizer, read_config
 from car_jax.checkpoints.table import entries, hf_names
 from car_jax.models.config import ModelConfig, as_dtype
 from car_jax.models.decoder import Decoder
@@ -69,7 +69,7 @@ def load_params_folder(path: str | os.PathLike, shardings=None):
     """(ModelConfig, params) from a folder written by `save_params`; `shardings` is a
     params-shaped pytree of target shardings (default: the first local device)."""
     path = Path(path).absolute()
-    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    cfg = config_from_file(path / "config.json")
     abstract = jax.eval_shape(lambda: Decoder(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -92,6 +92,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     """Converts by the kind of `src`; returns (direction, output folder). An HF folder's
     weights are read in `dtype` (their storage dtype in the params folder)."""
     src = Path(src)
+    if not src.exists():
+        raise CheckpointError(f"{src} does not exist; give a .gguf file, an HF folder or a car_jax params folder")
     if src.is_file() and src.suffix == ".gguf":
         return "gguf -> hf", gguf_to_hf(src, dst)
     if is_params_folder(src):

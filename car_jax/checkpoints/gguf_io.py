@@ -24,7 +24,7 @@ from transformers.integrations.gguf.gguf_tokenizer_mapping import (
 )
 
 from car_jax.checkpoints.safetensors_io import CheckpointError
-from car_jax.models.config import ModelConfig, UnsupportedConfigError
+from car_jax.models.config import ConfigFieldError, ModelConfig, UnsupportedConfigError
 
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -82,7 +82,10 @@ class GGUFFile:
         self.arch = self.field("general.architecture")
         self._tensors = {hf_name(t.name): t for t in self.reader.tensors}
         self.hf_config = self._hf_config()
-        self.config = ModelConfig.from_hf(self.hf_config)
+        try:
+            self.config = ModelConfig.from_hf(self.hf_config)
+        except ConfigFieldError as err:
+            raise CheckpointError(f"{self.path}: {err} (in the config built from its metadata)") from None
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.fields.get(key)

@@ -4,15 +4,37 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is: the message names the tensor or file."""
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The parsed JSON file at `path` (config.json, an index); a file that is not JSON
+    text is a CheckpointError naming it and where the parser stopped."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); "
+                              f"the file is damaged or truncated: re-download or re-export it") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not UTF-8 JSON text (a binary file under this name?)") from None
+
+
+def open_safetensors(path: Path):
+    """`safe_open(path, "numpy")`, which reads the header; a file safetensors cannot read
+    (truncated, not safetensors at all) is a CheckpointError naming it."""
+    try:
+        return safe_open(path, "numpy")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); it is damaged or "
+                              f"truncated: re-download or re-export it") from None
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -31,7 +53,11 @@ class SafetensorsFolder:
         index = self.folder / INDEX_NAME
         single = self.folder / SINGLE_NAME
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            data = read_json(index)
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index}: expected a JSON object whose \"weight_map\" maps each "
+                                      f"tensor name to its shard file")
             missing = sorted({f for f in weight_map.values() if not (self.folder / f).exists()})
             if missing:
                 names = [n for n, f in weight_map.items() if f == missing[0]][:3]
@@ -39,8 +65,10 @@ class SafetensorsFolder:
                     f"{index}: shard file(s) {missing} missing (they hold {names}...); "
                     f"re-download or re-export the checkpoint")
             self._where = {name: self.folder / f for name, f in weight_map.items()}
+            for shard in sorted(set(self._where.values())):  # headers only: a damaged shard fails now
+                open_safetensors(shard)
         elif single.exists():
-            with safe_open(single, "numpy") as f:
+            with open_safetensors(single) as f:
                 self._where = {name: single for name in f.keys()}
         else:
             raise CheckpointError(f"{self.folder}: neither {SINGLE_NAME} nor {INDEX_NAME} found")
@@ -51,11 +79,11 @@ class SafetensorsFolder:
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise CheckpointError(f"{self.folder}: tensor {name!r} missing from the checkpoint")
-        try:
-            with safe_open(self._where[name], "numpy") as f:
+        with open_safetensors(self._where[name]) as f:
+            try:
                 return np.array(f.get_tensor(name))
-        except (TypeError, ValueError) as err:  # e.g. a dtype numpy cannot represent
-            raise CheckpointError(f"{self._where[name]}: tensor {name!r} cannot be read: {err}") from err
+            except (TypeError, ValueError, SafetensorError) as err:  # e.g. a dtype numpy cannot represent
+                raise CheckpointError(f"{self._where[name]}: tensor {name!r} cannot be read: {err}") from err
 
 
 def write_safetensors(tensors: Iterable[tuple[str, np.ndarray]], folder: str | os.PathLike,

@@ -6,15 +6,14 @@ usually a tokenizer.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from car_jax.checkpoints.gguf_io import GGUFFile, gguf_tokenizer
-from car_jax.checkpoints.safetensors_io import CheckpointError
-from car_jax.models.config import ModelConfig
+from car_jax.checkpoints.safetensors_io import CheckpointError, read_json
+from car_jax.models.config import ConfigFieldError, ModelConfig, UnsupportedConfigError
 
 
 def is_gguf(path: Path) -> bool:
@@ -22,14 +21,35 @@ def is_gguf(path: Path) -> bool:
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
-    """The ModelConfig of a .gguf file or of a folder with a config.json."""
+    """The ModelConfig of a .gguf file or of a folder with a config.json.
+
+    Raises CheckpointError naming the path when it does not exist or holds no config, and
+    naming the file (and field) when config.json is not JSON or a field has the wrong kind
+    of value; UnsupportedConfigError (with the file named) for what car_jax does not compute.
+    """
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; give an HF folder (config.json + safetensors), "
+                              f"a .gguf file or a car_jax params folder")
     if is_gguf(path):
         return GGUFFile(path).config
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: not a .gguf file and no config.json in it")
-    return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    return config_from_file(cfg_file)
+
+
+def config_from_file(cfg_file: Path) -> ModelConfig:
+    """ModelConfig.from_hf of a config.json file; its errors name the file."""
+    hf = read_json(cfg_file)
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object of config fields, got {type(hf).__name__}")
+    try:
+        return ModelConfig.from_hf(hf)
+    except ConfigFieldError as err:
+        raise CheckpointError(f"{cfg_file}: {err}") from None
+    except UnsupportedConfigError as err:
+        raise UnsupportedConfigError(f"{cfg_file}: {err}") from None
 
 
 def load_tokenizer(path: str | os.PathLike):

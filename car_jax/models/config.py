@@ -5,6 +5,7 @@ Dimension letters (V, D, L, N, K, H, F, G below): see `car_jax.dims`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -14,6 +15,12 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 class UnsupportedConfigError(ValueError):
     """A checkpoint config asks for something this decoder does not compute."""
+
+
+class ConfigFieldError(ValueError):
+    """A checkpoint config field is missing or holds the wrong kind of value (a string where
+    a number belongs, a negative size): the message names the field, the value and what
+    was expected. `checkpoints.sources.read_config` adds the file's name."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +60,9 @@ class ModelConfig:
         """Builds the config from a transformers `config.json` dict.
 
         Anything that would change the computation and is not implemented raises
-        `UnsupportedConfigError` naming the field, instead of being ignored.
+        `UnsupportedConfigError` naming the field, instead of being ignored; a missing size
+        or a value of the wrong kind (`"hidden_size": "32"`) raises `ConfigFieldError`
+        naming the field, the value and what was expected.
         """
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -77,32 +86,29 @@ class ModelConfig:
             raise UnsupportedConfigError(f"pretraining_tp={hf['pretraining_tp']}: only 1 is implemented")
         rope_theta = _rope_theta(hf)
 
-        n_heads = hf["num_attention_heads"]
-        d_model = hf["hidden_size"]
-        head_dim = hf.get("head_dim") or d_model // n_heads
-        attention_bias = bool(hf.get("attention_bias", False))
-        eos = hf.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        n_heads = _field(hf, "num_attention_heads", _POSITIVE_INT)
+        d_model = _field(hf, "hidden_size", _POSITIVE_INT)
+        head_dim = _field(hf, "head_dim", _POSITIVE_INT, d_model // n_heads)
         return cls(
             model_type=model_type,
-            vocab_size=hf["vocab_size"],
+            vocab_size=_field(hf, "vocab_size", _POSITIVE_INT),
             d_model=d_model,
-            n_layers=hf["num_hidden_layers"],
+            n_layers=_field(hf, "num_hidden_layers", _POSITIVE_INT),
             n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            n_kv_heads=_field(hf, "num_key_value_heads", _POSITIVE_INT, n_heads),
             head_dim=head_dim,
-            mlp_dim=hf["intermediate_size"],
+            mlp_dim=_field(hf, "intermediate_size", _POSITIVE_INT),
             rope_theta=rope_theta,
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
-            qkv_bias=model_type == "qwen2" or (model_type != "qwen2" and attention_bias),
-            out_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            norm_eps=_field(hf, "rms_norm_eps", _POSITIVE_NUMBER, 1e-6),
+            qkv_bias=model_type == "qwen2" or _field(hf, "attention_bias", _BOOL, False),
+            out_bias=model_type != "qwen2" and _field(hf, "attention_bias", _BOOL, False),
+            mlp_bias=_field(hf, "mlp_bias", _BOOL, False),
             qk_norm=model_type == "qwen3",
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position=hf.get("max_position_embeddings", 32768),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos,
-            pad_token_id=hf.get("pad_token_id"),
+            tie_embeddings=_field(hf, "tie_word_embeddings", _BOOL, False),
+            max_position=_field(hf, "max_position_embeddings", _POSITIVE_INT, 32768),
+            bos_token_id=_field(hf, "bos_token_id", _TOKEN_ID, None),
+            eos_token_id=_eos_ids(hf),
+            pad_token_id=_field(hf, "pad_token_id", _TOKEN_ID, None),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -141,14 +147,56 @@ class ModelConfig:
 def _rope_theta(hf: dict[str, Any]) -> float:
     """RoPE base from either the transformers-5 `rope_parameters` or the older
     `rope_theta` / `rope_scaling` fields; scaled RoPE variants are refused."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
+    params = _field(hf, "rope_parameters", _MAPPING, None) or {}
+    scaling = _field(hf, "rope_scaling", _MAPPING, None) or {}
     for field, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
         kind = spec.get("rope_type", spec.get("type", "default"))
         if kind not in ("default", None):
             raise UnsupportedConfigError(
                 f"{field}.rope_type={kind!r}: only plain RoPE ('default') is implemented")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if params.get("rope_theta") is not None:
+        return _field(params, "rope_theta", _POSITIVE_NUMBER, name="rope_parameters.rope_theta")
+    return _field(hf, "rope_theta", _POSITIVE_NUMBER, 10000.0)
+
+
+# (check, what is expected, conversion) for `_field`; bool is no number here (JSON true is not 1)
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+_POSITIVE_INT = (lambda v: _is_int(v) and v > 0, "a positive integer", int)
+_TOKEN_ID = (lambda v: _is_int(v) and v >= 0, "a token id (an integer >= 0) or null", int)
+_POSITIVE_NUMBER = (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0,
+                    "a positive number", float)
+_BOOL = (lambda v: isinstance(v, bool), "true or false", bool)
+_MAPPING = (lambda v: isinstance(v, dict), "an object ({...}) or null", dict)
+_REQUIRED = object()
+
+
+def _field(hf: dict[str, Any], key: str, kind: tuple, default: Any = _REQUIRED, name: str | None = None) -> Any:
+    """hf[key] checked against `kind` and converted; a missing or null field gives `default`
+    (required without one). Raises ConfigFieldError naming the field (`name`, default `key`)."""
+    check, expected, convert = kind
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigFieldError(f"field {name or key} is missing; expected {expected}")
+        return default
+    if not check(value):
+        raise ConfigFieldError(f"field {name or key}={value!r} ({type(value).__name__}): expected {expected}")
+    return convert(value)
+
+
+def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    """eos_token_id: null, one token id or a list of them -> a tuple."""
+    eos = hf.get("eos_token_id")
+    ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    for i, token in enumerate(ids):
+        if not (_is_int(token) and token >= 0):
+            where = f"eos_token_id[{i}]" if isinstance(eos, (list, tuple)) else "eos_token_id"
+            raise ConfigFieldError(f"field {where}={token!r} ({type(token).__name__}): expected a token id "
+                                   f"(an integer >= 0); eos_token_id is an id, a list of ids or null")
+    return tuple(int(t) for t in ids)
 
 
 DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,

@@ -1,6 +1,7 @@
 """Python sandbox: each hostile program ends within its limit with a clear observation and
 leaves nothing behind (no process, no file outside its private working dir)."""
 import os
+import platform
 import socket
 import uuid
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from car_jax.tools import sandbox
+from car_jax.tools import _sandbox_memory, sandbox
 from car_jax.tools.python_tool import (
     MAX_OBSERVATION_CHARS,
     PythonTool,
@@ -17,11 +18,14 @@ from car_jax.tools.python_tool import (
     truncate_middle,
 )
 from car_jax.tools.sandbox import SandboxConfig, SandboxError, run_python
+from car_jax.tools import _sandbox_child as sandbox_child
 
 CFG = SandboxConfig(timeout_s=3, memory_mb=512, max_procs=32)
 ROOT = os.geteuid() == 0
 # what this machine allows; where a namespace is missing the result must say so instead
 NAMESPACES = set(sandbox.probe_isolation().names)
+SECCOMP = platform.machine() in ("x86_64", "aarch64")
+MEMORY = "memcg" if _sandbox_memory.memory_cgroup() else "memwatch"  # how the call's memory is bounded
 
 
 @pytest.fixture
@@ -55,7 +59,8 @@ def traced(monkeypatch):
 def test_plain_program_and_final_answer(traced):
     result, obs = traced("import numpy as np, sympy\nprint(np.arange(4).sum())\nfinal_answer(sympy.sqrt(8))")
     assert result.ok and obs == "Code execution result: 6\n\\boxed{2*sqrt(2)}\n"
-    assert result.isolation.split(",") == ["uid"] * ROOT + [n for n in ("net", "mount", "pid", "ipc") if n in NAMESPACES]
+    namespaces = [n for n in ("net", "mount", "pid", "ipc") if n in NAMESPACES]
+    assert result.isolation.split(",") == ["uid"] * ROOT + namespaces + ["seccomp"] * SECCOMP + [MEMORY]
 
 
 def test_infinite_loop_hits_the_wall_clock(traced):
@@ -85,6 +90,141 @@ def test_process_flood_is_bounded(traced):
     result, obs = traced(code)
     assert result.exit_code == 1 and "forked all" not in result.stdout
     assert obs == "Code execution result: BlockingIOError: [Errno 11] Resource temporarily unavailable"
+
+
+FORK_AND_HOLD = """import os, time
+big = bytearray(os.urandom(1)) * ({parent} << 20)  # touched, so resident; the children share it
+ready_r, ready_w = os.pipe()
+pids = []
+for i in range({children}):
+    pid = os.fork()
+    if pid == 0:
+        block = b"x" * ({each} << 20)
+        os.write(ready_w, b".")
+        time.sleep({hold})
+        os._exit(0)
+    pids.append(pid)
+for _ in pids:
+    os.read(ready_r, 1)  # from here on every child holds its block
+print([os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids])
+"""
+
+
+@pytest.mark.parametrize("meter", ["auto", "watchdog"])
+def test_forked_children_share_one_memory_bound(traced, monkeypatch, meter):
+    if meter == "watchdog":  # the fallback where no memory cgroup can be made
+        monkeypatch.setattr(sandbox, "open_meter", _sandbox_memory.TreeMeter)
+    cfg = SandboxConfig(timeout_s=15, memory_mb=192, total_memory_mb=256, max_procs=32)
+    # 4 x 80 MB, held until killed: each child is far below RLIMIT_AS, together they pass 256 MB
+    result, obs = traced(FORK_AND_HOLD.format(parent=1, children=4, each=80, hold=60), cfg)
+    assert result.memory_limited and not result.timed_out and not result.ok, result
+    assert obs == "Code execution result: MemoryError: the program's processes together exceeded 256 MB"
+    assert result.isolation.split(",")[-1] == (MEMORY if meter == "auto" else "memwatch")
+    # pages shared after fork count once: 80 MB in the parent, seen by 3 children (320 MB of
+    # summed RSS), plus 3 x 10 MB of their own, is well within 256 MB
+    result, obs = traced(FORK_AND_HOLD.format(parent=80, children=3, each=10, hold=0.3), cfg)
+    assert result.ok and obs == "Code execution result: [0, 0, 0]\n", result
+
+
+def test_deep_recursion_reports_its_error_quickly(traced):
+    code = """import sys
+sys.setrecursionlimit(10**7)
+print(sys.getrecursionlimit())
+class A:
+    def __repr__(self):
+        return repr(A())  # recursion through C: each level costs C stack
+try:
+    repr(A())
+except RecursionError as err:
+    print('through C:', err)
+def f(n):
+    return g(n + 1)
+def g(n):
+    return f(n + 1)
+f(0)
+"""
+    result, obs = traced(code)
+    assert not result.timed_out and result.exit_code == 1, result
+    assert result.stdout == f"{CFG.max_recursion}\nthrough C: maximum recursion depth exceeded\n"
+    assert obs == "Code execution result: RecursionError: maximum recursion depth exceeded"
+    # f and g alternate, so no frame repeats the one before and none is folded: a full
+    # traceback (2 lines per frame) would pass the output cap; the last frames are printed
+    assert result.stderr.count('File "main.py"') <= sandbox_child.TRACEBACK_FRAMES
+
+
+def test_deep_recursion_through_c_has_the_stack_it_needs(traced):
+    # lru_cache puts a C call between the Python frames: 40,000 levels need ~40 MB of C
+    # stack, beyond the usual 8 MB main-thread stack (a segfault there)
+    code = """import functools, sys
+sys.setrecursionlimit(10**6)
+@functools.lru_cache(maxsize=None)
+def depth(n):
+    return 0 if n == 0 else depth(n - 1) + 1
+print(depth(40_000))
+"""
+    result, obs = traced(code)
+    assert result.ok and obs == "Code execution result: 40000\n", result
+
+
+def test_no_new_namespaces(traced):
+    code = ("import ctypes, os, shutil, subprocess, threading\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "for flag in (0x10000000, 0x40000000 | 0x10000000, 0x20000):  # NEWUSER, NEWNET|NEWUSER, NEWNS\n"
+            "    print(libc.unshare(flag), ctypes.get_errno())\n"
+            "print(subprocess.run(['unshare', '-U', 'true']).returncode if shutil.which('unshare') else 1)\n"
+            "t = threading.Thread(target=print, args=('thread ok',))\n"  # clone3 -> clone fallback
+            "t.start(); t.join()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    os._exit(7)\n"
+            "print(subprocess.run(['true']).returncode, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
+    result, obs = traced(code)
+    assert result.ok, result
+    if not SECCOMP:  # no filter for this CPU: the run must say so
+        assert "seccomp" not in result.isolation
+        return
+    assert "seccomp" in result.isolation.split(",")
+    assert result.stdout.splitlines() == ["-1 1"] * 3 + ["1", "thread ok", "0 7"]
+
+
+def _run_bpf(program, data: bytes) -> int:
+    """A minimal classic-BPF interpreter (the opcodes the filter uses), as a reference."""
+    pc, acc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc]
+        if code == 0x20:  # ld word at offset k
+            acc = int.from_bytes(data[k:k + 4], "little")
+        elif code == 0x06:  # ret k
+            return k
+        else:
+            taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += jt if taken else jf
+        pc += 1
+
+
+@pytest.mark.parametrize("machine, arch, nrs", [
+    ("x86_64", 0xC000003E, {"unshare": 272, "clone": 56, "clone3": 435, "setns": 308, "read": 0}),
+    ("aarch64", 0xC00000B7, {"unshare": 97, "clone": 220, "clone3": 435, "setns": 268, "read": 63}),
+])
+def test_seccomp_program_decisions(machine, arch, nrs):
+    # numbers from the kernel's syscall tables (x86_64: syscall_64.tbl; aarch64: asm-generic)
+    program = sandbox_child.seccomp_program(machine)
+    allow, eperm, enosys = 0x7FFF0000, 0x00050001, 0x00050026
+
+    def decide(nr, flags=0, arch=arch):
+        data = nr.to_bytes(4, "little") + arch.to_bytes(4, "little") + bytes(8) + flags.to_bytes(8, "little")
+        return _run_bpf(program, data)
+
+    sigchld, newuser, newns, thread = 17, 0x10000000, 0x20000, 0x3D0F00  # glibc's thread flags
+    assert decide(nrs["clone"], sigchld) == decide(nrs["clone"], thread) == allow
+    assert decide(nrs["clone"], sigchld | newuser) == decide(nrs["clone"], newns) == eperm
+    assert decide(nrs["unshare"], 0x400) == allow  # CLONE_FILES: no namespace
+    assert decide(nrs["unshare"], newuser) == decide(nrs["unshare"], 0x80) == eperm  # NEWTIME too
+    assert decide(nrs["clone3"]) == enosys and decide(nrs["setns"]) == eperm
+    assert decide(nrs["read"]) == allow
+    assert decide(nrs["read"], arch=0x40000003) == eperm  # i386 ABI
+    assert decide(0x40000000 + nrs["unshare"], newuser) == eperm  # x32 ABI numbering
+    assert sandbox_child.seccomp_program("riscv64") is None
 
 
 def test_daemon_that_leaves_the_process_group_dies_too(traced):

@@ -1,9 +1,11 @@
-"""Retrieval server: Search-R1 JSON in and out, request validation, the HTTP client,
-a bounded loopback load test, and a client facing a stopped server."""
+"""Retrieval server: Search-R1 JSON in and out, request validation (hostile bodies and
+methods included), fair batching, the HTTP client, a bounded loopback load test, and a
+client facing a stopped server."""
 import concurrent.futures
 import http.client
 import json
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -12,8 +14,8 @@ import pytest
 from car_jax.tools.corpus import Doc
 from car_jax.tools.http_client import HttpRetriever, _parse_item, normalize_url
 from car_jax.tools.index import build_bm25_index, load_retriever
-from car_jax.tools.retriever import SEARCH_FAILED_PREFIX, SearchError
-from car_jax.tools.server import RetrievalServer, ServerLimits
+from car_jax.tools.retriever import SEARCH_FAILED_PREFIX, Retriever, SearchError
+from car_jax.tools.server import BatchingRetriever, RetrievalServer, ServerLimits
 
 CORPUS = Path(__file__).parent / "fixtures" / "tiny_wiki.jsonl"
 
@@ -29,8 +31,8 @@ def backend(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(backend):
-    with RetrievalServer(backend, port=0, limits=ServerLimits(max_body_bytes=64 << 10, max_queries=100),
-                         info={"backend": "bm25", "num_docs": 50}) as srv:
+    limits = ServerLimits(max_body_bytes=64 << 10, max_queries=100, body_timeout_s=0.5)
+    with RetrievalServer(backend, port=0, limits=limits, info={"backend": "bm25", "num_docs": 50}) as srv:
         yield srv
 
 
@@ -86,6 +88,7 @@ def test_search_r1_reply_without_scores_and_default_topk(server):
     (b'{"queries": ["a"], "return_scores": "yes"}', 400, "return_scores"),
     (json.dumps({"queries": ["a"] * 101}).encode(), 413, "101 queries"),
     (json.dumps({"queries": ["a" * (70 << 10)]}).encode(), 413, "exceeds the limit"),
+    (b"[" * (60 << 10), 400, "nested too deeply"),  # the parser's recursion limit
 ])
 def test_malformed_requests_get_4xx(server, body, status, message):
     got_status, reply = _request(server, "POST", "/retrieve", body)
@@ -99,6 +102,85 @@ def test_routes_and_missing_length(server):
     with socket.create_connection((host, int(port)), timeout=30) as s:
         s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\n\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.1 411")
+
+
+def _raw_exchange(server, request: bytes, half_close: bool) -> tuple[bytes, dict]:
+    """Send raw bytes, read the answer until the server closes: (status line, JSON body)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], json.loads(body)
+
+
+@pytest.mark.parametrize("half_close", [False, True])
+def test_body_shorter_than_its_length_gets_400(server, half_close):
+    # stalled: answered once body_timeout_s (0.5 s here) has passed, not the 30 s idle timeout
+    request = b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b'{"queries": []'
+    status, reply = _raw_exchange(server, request, half_close)
+    assert status == b"HTTP/1.1 400 Bad Request"
+    assert "ended after 14 of its 100 bytes" in reply["error"]
+    assert _post(server, {"queries": ["hamlet"], "topk": 1})[0] == 200  # still serving
+
+
+def test_wrong_method_is_405_with_allow(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    for method, path, allow in [("GET", "/retrieve", "POST"), ("POST", "/health", "GET"),
+                                ("PUT", "/retrieve", "POST"), ("DELETE", "/health", "GET")]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            conn.request(method, path, body=b"{}" if method != "GET" else None)
+            reply = conn.getresponse()
+            assert (reply.status, reply.getheader("Allow")) == (405, allow), (method, path)
+            assert f"{path} takes {allow}" in json.loads(reply.read())["error"]
+        finally:
+            conn.close()
+    assert _request(server, "PUT", "/nope", b"{}")[0] == 404
+
+
+class GatedBackend(Retriever):
+    """Costs time in proportion to its queries; records each batch; the first batch waits
+    for `gate`, so a test can queue requests behind it in a known order."""
+
+    def __init__(self):
+        self.batches: list[list[str]] = []
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def _search(self, queries, topk):
+        self.batches.append(list(queries))
+        if len(self.batches) == 1:
+            self.entered.set()
+            self.gate.wait(10)
+        time.sleep(1e-4 * len(queries))
+        return [[Doc(f"{q}#{i}", q, -i) for i in range(topk)] for q in queries]
+
+
+def test_small_request_is_not_stuck_behind_big_ones():
+    backend = GatedBackend()
+    batcher = BatchingRetriever(backend, max_batch_queries=60)
+    try:
+        first = batcher.submit(["gate"], 1)
+        assert backend.entered.wait(10)
+        bigs = [[f"big{b}-{i}" for i in range(150)] for b in range(3)]
+        requests = [(qs, 2) for qs in bigs] + [(["small"], 1)]
+        futures = [batcher.submit(qs, k) for qs, k in requests]  # all queued behind the gate
+        backend.gate.set()
+        results = [f.result(timeout=10) for f in [first, *futures]]
+    finally:
+        batcher.close()
+    batch_of = {q: n for n, batch in enumerate(backend.batches) for q in batch}
+    done_at = [max(batch_of[q] for q in qs) for qs, _ in requests]  # the batch that completes each
+    assert done_at[3] == 1  # the small request rode the first batch after the gate
+    assert min(done_at[:3]) > 1 and all(len(b) <= 60 for b in backend.batches)
+    assert sorted(q for b in backend.batches for q in b) == sorted(["gate", "small", *sum(bigs, [])])
+    # each request got its own rows, in order, cut to its own topk
+    for (qs, k), rows in zip([(["gate"], 1), *requests], results):
+        assert [[d.id for d in row] for row in rows] == [[f"{q}#{i}" for i in range(k)] for q in qs]
 
 
 def test_bad_queries_through_the_server(server):

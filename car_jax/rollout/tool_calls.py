@@ -1,19 +1,56 @@
 """Host-side tool calls of the episode loop: one batched call per tool kind and turn, each
 failure (an exception, a timeout, a wrong result count) turned into an observation text
-instead of ending the episode."""
+instead of ending the episode.
+
+What a deadline (`timeout_s`) fails depends on what the tool can tell apart:
+- a `RowTool` also has `submit(requests) -> [Future]`, one future per request (PythonTool:
+  every program runs in its own sandbox, under its own time limit). It is waited on row by
+  row: at the deadline a row whose future is done gets its result, or its own error if it
+  raised; a row still pending gets the timeout error, and its work is cancelled if it has
+  not started. A few slow rows no longer fail the rows that finished.
+- any other tool is one batched computation (a retriever encodes and searches all queries
+  at once): no row has a result before the whole batch does, so a timeout or an exception
+  is every row's error. Splitting such a call per row would lose the batching it exists
+  for, and only the tool knows whether its rows are independent: the opt-in is the tool's.
+"""
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 from car_jax.rollout.protocols import INVALID, VOID, Action
+
+if TYPE_CHECKING:
+    from car_jax.rollout.episode import Trajectory
 
 Tool = Callable[[list[str]], list[str]]  # batched: one result text per request
 
 
+@runtime_checkable
+class RowTool(Protocol):
+    """A batched tool whose requests are independent and can be awaited one by one."""
+
+    def __call__(self, requests: list[str]) -> list[str]: ...
+
+    def submit(self, requests: list[str]) -> list[cf.Future]:
+        """requests [B] -> futures [B], each resolving to that request's result text."""
+        ...
+
+
+def _failed(name: str, exc: BaseException) -> str:
+    return f"{name} failed: {type(exc).__name__}: {exc}"
+
+
+def _timed_out(name: str, timeout_s: float) -> str:
+    return f"{name} failed: timed out after {timeout_s:g} s"
+
+
 def call_tool(tool: Tool, name: str, requests: list[str], timeout_s: float) -> list[tuple[str, str | None]]:
-    """Runs one batched tool call; returns (result text, error or None) per request.
-    An exception or a timeout becomes a result text instead of ending the episode."""
+    """Runs one batched tool call; returns (result text, error or None) per request [B].
+    An exception or a timeout becomes a result text instead of ending the episode; which
+    rows it fails is described in the module doc."""
+    if isinstance(tool, RowTool):
+        return _call_rows(tool, name, requests, timeout_s)
     pool = cf.ThreadPoolExecutor(max_workers=1)
     try:
         results = pool.submit(tool, list(requests)).result(timeout=timeout_s)
@@ -21,12 +58,36 @@ def call_tool(tool: Tool, name: str, requests: list[str], timeout_s: float) -> l
             raise RuntimeError(f"tool {name!r} returned {len(results)} results for {len(requests)} requests")
         return [(str(r), None) for r in results]
     except cf.TimeoutError:
-        err = f"{name} failed: timed out after {timeout_s:g} s"
+        err = _timed_out(name, timeout_s)
     except Exception as exc:  # noqa: BLE001 - any tool crash becomes an observation
-        err = f"{name} failed: {type(exc).__name__}: {exc}"
+        err = _failed(name, exc)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return [(err, err)] * len(requests)
+
+
+def _call_rows(tool: RowTool, name: str, requests: list[str], timeout_s: float) -> list[tuple[str, str | None]]:
+    """One future per request, one shared deadline; each row ends on its own."""
+    try:
+        futures = tool.submit(list(requests))
+        if len(futures) != len(requests):
+            raise RuntimeError(f"tool {name!r} returned {len(futures)} futures for {len(requests)} requests")
+    except Exception as exc:  # noqa: BLE001
+        err = _failed(name, exc)
+        return [(err, err)] * len(requests)
+    done, _ = cf.wait(futures, timeout=timeout_s)
+    out: list[tuple[str, str | None]] = []
+    for future in futures:
+        if future not in done:
+            future.cancel()  # a row that has not started yet never will
+            err = _timed_out(name, timeout_s)
+        elif future.exception() is not None:
+            err = _failed(name, future.exception())
+        else:
+            out.append((str(future.result()), None))
+            continue
+        out.append((err, err))
+    return out
 
 
 def run_tools(actions: dict[int, Action], tools: dict[str, Tool], timeout_s: float,

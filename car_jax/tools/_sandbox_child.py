@@ -1,27 +1,35 @@
 """Runs inside the sandbox process (standard library only; never imported by car_jax).
 
 Invoked as `python -I -u -X utf8 _sandbox_child.py '<json settings>'` with the model's code
-on stdin, usually under `unshare` (see sandbox.py). Steps, in order:
+on stdin, usually under `unshare` and with the soft stack limit raised (see sandbox.py).
+Steps, in order:
 1. read the code from stdin, then point stdin at /dev/null;
-2. with a private mount namespace (we are root inside it): re-expose the Python installation
+2. join the call's memory cgroup when sandbox.py made one;
+3. with a private mount namespace (we are root inside it): re-expose the Python installation
    if it sits under a directory the sandbox user may not enter (e.g. /root), remount every
    filesystem read-only, then mount fresh size-capped tmpfs on /tmp (the working dir is
    /tmp/work), /var/tmp and /dev/shm, so every write lands in memory that vanishes with the
    namespace;
-3. resource limits (CPU seconds, address space, processes, file size, open files, no core);
-4. no_new_privs, then drop to the sandbox uid/gid when one is given (the parent was root);
-5. report "ready" on the status pipe (" read-only-partial" appended when some filesystem
-   refused the read-only remount) and close every other descriptor;
-6. as PID 1 of a PID namespace, fork the program and reap until it ends (PID 1 ignores
+4. resource limits (CPU seconds, address space, processes, file size, open files, no core);
+5. no_new_privs, then drop to the sandbox uid/gid when one is given (the parent was root);
+6. a seccomp filter that refuses new namespaces (x86_64 and aarch64);
+7. report "ready" on the status pipe (" seccomp" appended when the filter is in place,
+   " read-only-partial" when some filesystem refused the read-only remount) and close every
+   other descriptor;
+8. as PID 1 of a PID namespace, fork the program and reap until it ends (PID 1 ignores
    most signals, the program must not); otherwise run the program in this process.
-The program runs as `__main__` from `main.py` with `final_answer(x)` predefined.
+The program runs as `__main__` from `main.py` with `final_answer(x)` predefined, with
+`sys.setrecursionlimit` capped (see `_cap_recursion`) and its traceback cut to the last frames.
 """
 import ctypes
 import json
+import operator
 import os
+import platform
 import resource
 import stat
 import sys
+import threading
 import traceback
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
@@ -31,6 +39,8 @@ _KEEP = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC
          os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME, os.ST_RELATIME: MS_RELATIME}
 PR_SET_NO_NEW_PRIVS = 38
 SETUP_FAILED = 125
+TRACEBACK_FRAMES = 50  # printed (the last ones) when the program fails
+THREAD_STACK_BYTES = 8 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -170,14 +180,109 @@ def _drop_privileges(cfg):
         raise OSError(f"still uid {os.geteuid()} after setuid({cfg['uid']})")
 
 
+# seccomp: no new namespaces. A user namespace would make the program root of a fresh
+# namespace (and open the kernel code behind it); the others need privileges it lacks, and
+# are refused too. clone3 passes its flags in memory a filter cannot read: it answers ENOSYS,
+# so the C library falls back to clone, whose flags are checked.
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}  # AUDIT_ARCH_*
+_SYSCALLS = {  # unshare, clone, clone3, setns
+    "x86_64": (272, 56, 435, 308),
+    "aarch64": (97, 220, 435, 268),
+}
+CLONE_NEW_ANY = 0x7E020000  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET}
+CLONE_NEWTIME = 0x80  # unshare only: in clone's flags this bit belongs to the exit signal
+X32_SYSCALL_BIT = 0x40000000
+_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF opcodes (32-bit)
+_ALLOW, _ERRNO, EPERM, ENOSYS = 0x7FFF0000, 0x00050000, 1, 38
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _assemble(lines):
+    """[(label, opcode, k, jump-if-true label, jump-if-false label)] -> sock_filter
+    tuples; jumps name a later label (BPF jumps forward only), None = the next line."""
+    where = {line[0]: i for i, line in enumerate(lines) if line[0]}
+    rel = lambda i, target: 0 if target is None else where[target] - i - 1  # noqa: E731
+    return [(op, rel(i, jt), rel(i, jf), k) for i, (_, op, k, jt, jf) in enumerate(lines)]
+
+
+def seccomp_program(machine):
+    """The filter for `machine` (platform.machine()), or None where it is not known.
+    seccomp_data: nr at offset 0, arch at 4, args[0] (low 32 bits) at 16."""
+    if machine not in _ARCH:
+        return None
+    unshare, clone, clone3, setns = _SYSCALLS[machine]
+    return _assemble([
+        (None, _LD_ABS, 4, None, None),
+        (None, _JEQ, _ARCH[machine], None, "deny"),  # another ABI (i386, int 0x80)
+        (None, _LD_ABS, 0, None, None),
+        (None, _JGE, X32_SYSCALL_BIT, "deny", None),  # the x32 ABI
+        (None, _JEQ, unshare, "unshare", None),
+        (None, _JEQ, clone, "clone", None),
+        (None, _JEQ, clone3, "nosys", None),
+        (None, _JEQ, setns, "deny", None),
+        (None, _RET, _ALLOW, None, None),
+        ("unshare", _LD_ABS, 16, None, None),
+        (None, _JSET, CLONE_NEW_ANY | CLONE_NEWTIME, "deny", None),
+        (None, _RET, _ALLOW, None, None),
+        ("clone", _LD_ABS, 16, None, None),
+        (None, _JSET, CLONE_NEW_ANY, "deny", None),
+        (None, _RET, _ALLOW, None, None),
+        ("nosys", _RET, _ERRNO | ENOSYS, None, None),
+        ("deny", _RET, _ERRNO | EPERM, None, None),
+    ])
+
+
+def _no_new_namespaces():
+    """Install the filter (needs no_new_privs, set before); False where the CPU is unknown."""
+    program = seccomp_program(platform.machine())
+    if program is None:
+        return False
+    insns = (_SockFilter * len(program))(*[_SockFilter(*line) for line in program])
+    fprog = _SockFprog(len(program), insns)
+    if _libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+    return True
+
+
+def _join_cgroup(procs_file):
+    """Move this process (and so everything it starts) into the call's memory cgroup."""
+    with open(procs_file, "w") as f:
+        f.write("0")
+
+
 def final_answer(result):
     """SimpleTIR's helper: print the answer as \\boxed{result}."""
     print(f"\\boxed{{{result}}}")
 
 
-def _run_program(source):
+def _cap_recursion(cap):
+    """Make `sys.setrecursionlimit` keep at most `cap`: a program asking for 10**7 gets a
+    RecursionError after `cap` calls (quickly, with the C stack big enough for that depth)
+    instead of recursing until the time limit or overflowing the C stack."""
+    real = sys.setrecursionlimit
+
+    def setrecursionlimit(limit):
+        """sys.setrecursionlimit, kept at most at the sandbox's cap."""
+        real(min(operator.index(limit), cap))
+
+    sys.setrecursionlimit = setrecursionlimit
+
+
+def _run_program(source, cfg):
     with open("main.py", "wb") as f:  # so tracebacks can show source lines
         f.write(source)
+    _cap_recursion(cfg["max_recursion"])
+    # with an unlimited stack limit glibc gives new threads 2 MB; keep the usual 8 MB
+    threading.stack_size(THREAD_STACK_BYTES)
     try:
         code = compile(source, "main.py", "exec")
         exec(code, {"__name__": "__main__", "__builtins__": __builtins__, "final_answer": final_answer})
@@ -185,7 +290,8 @@ def _run_program(source):
         raise
     except BaseException as err:  # noqa: BLE001 - report like the interpreter would
         tb = err.__traceback__.tb_next if err.__traceback__ else None  # hide this frame
-        traceback.print_exception(type(err), err, tb)
+        # the last frames only: a deep recursion leaves up to max_recursion of them
+        traceback.print_exception(type(err), err, tb, limit=-TRACEBACK_FRAMES)
         sys.stderr.flush()
         raise SystemExit(1) from None
 
@@ -204,8 +310,10 @@ def main():
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    refused = []
+    refused, filtered = [], False
     try:
+        if cfg["cgroup_procs"]:
+            _join_cgroup(cfg["cgroup_procs"])
         if cfg["mounts"]:
             if cfg["uid"] is not None:
                 _expose_python(cfg["stash_dir"])
@@ -218,10 +326,11 @@ def main():
         os.environ.update(HOME=work, TMPDIR=work, MPLCONFIGDIR=work)
         _limits(cfg)
         _drop_privileges(cfg)
+        filtered = _no_new_namespaces()
     except Exception as err:  # noqa: BLE001
         print(f"sandbox setup failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         os._exit(SETUP_FAILED)
-    os.write(cfg["status_fd"], b"ready" + b" read-only-partial" * bool(refused))
+    os.write(cfg["status_fd"], b"ready" + b" seccomp" * filtered + b" read-only-partial" * bool(refused))
     os.closerange(3, 1 << 16)
     if os.getpid() == 1:
         try:
@@ -230,7 +339,7 @@ def main():
             child = 0
         if child:
             _reap(child)
-    _run_program(source)
+    _run_program(source, cfg)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@
   no stderr (killed by a signal) is described in words. Empty output gives
   `Code execution result: ` with nothing after it. The rollout adds the separators.
 - `PythonTool.run` executes the programs of one turn concurrently (a thread per call, each
-  waiting on its own subprocess).
+  waiting on its own subprocess); `PythonTool.submit` hands back one future per program, so
+  the episode loop's `call_tool` gives each row its own result or its own timeout (every
+  program also has its own time limit inside the sandbox).
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def error_line(result: SandboxResult, config: SandboxConfig) -> str:
         return f"TimeoutError: execution exceeded the time limit of {config.timeout_s:g} s"
     if result.output_limited:
         return f"OutputLimitError: output exceeded {config.max_output_bytes} bytes"
+    if result.memory_limited:
+        return f"MemoryError: the program's processes together exceeded {config.call_memory_mb} MB"
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     return lines[-1].strip() if lines else _signal_words(result.exit_code)
 
@@ -85,9 +89,16 @@ class PythonTool:
         futures = [None if c is None else self._pool.submit(run_python, c, self.config) for c in codes]
         return [None if f is None else f.result() for f in futures]
 
+    def _observe(self, code: str) -> str:
+        return format_observation(run_python(code, self.config), self.config)
+
+    def submit(self, codes: Sequence[str]) -> list[concurrent.futures.Future]:
+        """Extracted code [B] -> futures [B] of observations, each done when its program ends."""
+        return [self._pool.submit(self._observe, c) for c in codes]
+
     def __call__(self, codes: Sequence[str]) -> list[str]:
-        """The batched tool form the episode loop calls: extracted code [B] -> observations [B]."""
-        return [format_observation(r, self.config) for r in self.run(list(codes))]
+        """The batched tool form: extracted code [B] -> observations [B]."""
+        return [f.result() for f in self.submit(codes)]
 
     def observe(self, replies: Sequence[str]) -> list[str | None]:
         """Model replies [B] -> observations [B]; None where a reply holds no code block."""

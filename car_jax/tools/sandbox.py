@@ -2,12 +2,20 @@
 
 What is isolated (Linux; each call is a fresh process tree):
 - time: a wall-clock timeout (the whole process group is SIGKILLed) and RLIMIT_CPU;
-- memory: RLIMIT_AS per process (so a tree of P processes may hold P x memory_mb);
+- memory: RLIMIT_AS per process (`memory_mb`), and all the call's processes together at most
+  `total_memory_mb` (see _sandbox_memory: a memory cgroup where this process may make one,
+  else a watchdog summing the process tree's PSS); past it the whole call is killed;
+- stack and recursion: the soft RLIMIT_STACK is raised to the hard one (so the C stack of
+  the main thread is bounded by RLIMIT_AS) and `sys.setrecursionlimit` is capped at
+  `max_recursion`, so deep recursion ends in a RecursionError, not a segfault or the timeout
+  (the traceback printed keeps the last frames only);
 - processes: RLIMIT_NPROC. It counts every process of the sandbox uid, so concurrent
   sandboxes running as the same uid share that budget; root ignores it, hence the next point;
 - privileges: when the trainer runs as root the program runs as uid/gid 65534 (nobody) with
   no supplementary groups and no_new_privs, so it cannot signal the trainer, read root-only
   files or regain privileges through setuid binaries;
+- namespaces of its own: a seccomp filter (x86_64, aarch64; needs only no_new_privs, so root
+  or not) refuses unshare/clone with any CLONE_NEW* flag and setns: no user namespace;
 - network, with namespaces (`unshare`, used when it works): a private network namespace
   whose loopback is down, so no connection to anything, 127.0.0.1 included;
 - processes seen and left behind, with namespaces: a PID namespace; when the program ends
@@ -23,10 +31,11 @@ What is isolated (Linux; each call is a fresh process tree):
 - output: stdout and stderr are read with a hard byte cap; exceeding it kills the program;
   bytes are decoded as UTF-8 with errors="replace".
 What is NOT isolated: the program can read every world-readable file (the repository, the
-venv, /etc), use the CPU and memory allowed above, and call any system call (no seccomp).
+venv, /etc), use the CPU and memory allowed above, and call any other system call.
 Without namespaces (no `unshare`, or not permitted; the result's `isolation` says which
 parts applied and a warning is logged once): no network isolation, /tmp is the host's, and a
-process that calls setsid() can outlive the call. Without root, no uid change is possible:
+process that calls setsid() can outlive the call (unless the call has a memory cgroup, whose
+leftovers are killed). Without root, no uid change is possible:
 the program runs as the trainer's user (unprivileged user namespaces are used when allowed).
 """
 from __future__ import annotations
@@ -37,6 +46,7 @@ import json
 import logging
 import math
 import os
+import resource
 import selectors
 import shutil
 import signal
@@ -46,6 +56,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from car_jax.tools._sandbox_memory import open_meter
 
 log = logging.getLogger(__name__)
 LAUNCHER = str(Path(__file__).with_name("_sandbox_child.py"))
@@ -61,6 +73,8 @@ class SandboxConfig:
     timeout_s: float = 5.0  # wall clock
     cpu_s: int | None = None  # RLIMIT_CPU; default ceil(timeout_s) + 1
     memory_mb: int = 1024  # RLIMIT_AS per process
+    total_memory_mb: int | None = None  # all the call's processes together; default memory_mb + 256
+    max_recursion: int = 100_000  # the most sys.setrecursionlimit may set
     max_procs: int = 64  # RLIMIT_NPROC (per uid)
     max_output_bytes: int = 1 << 16  # per stream; more kills the program
     max_file_mb: int = 16  # RLIMIT_FSIZE
@@ -77,6 +91,15 @@ class SandboxConfig:
             raise ValueError(f"isolation {self.isolation!r}: use 'auto', 'namespaces' or 'none'")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.total_memory_mb is not None and self.total_memory_mb <= 0:
+            raise ValueError(f"total_memory_mb must be positive (or None), got {self.total_memory_mb}")
+        if self.max_recursion < 100:
+            raise ValueError(f"max_recursion={self.max_recursion} would break ordinary programs: use >= 100")
+
+    @property
+    def call_memory_mb(self) -> int:
+        """The bound on all the call's processes together (one full-size process + helpers)."""
+        return self.total_memory_mb or self.memory_mb + 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +109,13 @@ class SandboxResult:
     exit_code: int | None  # None when killed by us (timeout, output cap)
     timed_out: bool = False
     output_limited: bool = False  # stdout/stderr passed max_output_bytes
+    memory_limited: bool = False  # the call's processes together passed total_memory_mb
     duration_s: float = 0.0
-    isolation: str = "none"  # e.g. "uid,net,mount,pid"
+    isolation: str = "none"  # e.g. "uid,net,mount,pid,ipc,seccomp,memcg"
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out and not self.output_limited
+        return self.exit_code == 0 and not (self.timed_out or self.output_limited or self.memory_limited)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +168,17 @@ def _closed_to_others(paths) -> list[str]:
     return bad
 
 
+def _raise_stack() -> list[str]:
+    """argv prefix that execs the launcher with the soft stack limit at the hard one
+    (usually unlimited): the main thread's C stack then grows until RLIMIT_AS, enough for
+    `max_recursion` frames of C recursion. It must happen before the interpreter starts:
+    the kernel lays out the address space for the stack limit seen at exec time. With an
+    unlimited limit, glibc gives new threads its small default stack instead of the limit."""
+    hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+    value = "unlimited" if hard == resource.RLIM_INFINITY else str(hard >> 10)
+    return ["/bin/sh", "-c", 'ulimit -S -s "$0" && exec "$@"', value]
+
+
 def _scrubbed_env() -> dict:
     return {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -178,15 +213,17 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> SandboxRes
     hostdir = tempfile.mkdtemp(prefix="car_jax_sandbox_")
     if drop:
         os.chown(hostdir, config.uid, config.gid)
+    meter = open_meter(config.call_memory_mb << 20)
     status_r, status_w = os.pipe()
     settings = {
         "mounts": iso.mounts, "uid": config.uid if drop else None, "gid": config.gid,
         "stash_dir": hostdir, "status_fd": status_w, "disk_mb": config.disk_mb,
         "cpu_s": config.cpu_s or math.ceil(config.timeout_s) + 1, "memory_mb": config.memory_mb,
         "max_procs": config.max_procs, "max_file_mb": config.max_file_mb,
-        "max_open_files": config.max_open_files,
+        "max_open_files": config.max_open_files, "max_recursion": config.max_recursion,
+        "cgroup_procs": meter.procs_file,
     }
-    cmd = [*iso.prefix, python, "-I", "-u", "-X", "utf8", LAUNCHER, json.dumps(settings)]
+    cmd = [*iso.prefix, *_raise_stack(), python, "-I", "-u", "-X", "utf8", LAUNCHER, json.dumps(settings)]
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -196,12 +233,14 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> SandboxRes
     except OSError:
         os.close(status_r)
         shutil.rmtree(hostdir, ignore_errors=True)
+        meter.close()
         raise
     finally:
         os.close(status_w)
+    meter.watch(proc.pid)
     try:
         threading.Thread(target=_feed, args=(proc.stdin, source), daemon=True).start()
-        out, err, timed_out, limited = _collect(proc, start + config.timeout_s, config.max_output_bytes)
+        out, err, ended = _collect(proc, start + config.timeout_s, config.max_output_bytes, meter)
     finally:
         _terminate(proc, "pid" in iso.names)
         status = os.read(status_r, 64)
@@ -209,19 +248,25 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> SandboxRes
         for stream in (proc.stdout, proc.stderr):
             stream.close()
         shutil.rmtree(hostdir, ignore_errors=True)
-    code_ = None if (timed_out or limited) else _exit_code(proc.returncode)
+        if not ended and meter.exceeded():  # e.g. a child OOM-killed, the program went on
+            ended = "memory"
+        meter.close()
+    timed_out, limited, memory = ended == "timeout", ended == "output", ended == "memory"
+    code_ = None if ended else _exit_code(proc.returncode)
     stderr = err.decode("utf-8", "replace")
     if not status.startswith(b"ready") and not timed_out:
         raise SandboxError(
             f"sandbox setup failed (exit {proc.returncode}): {stderr.strip()[-2000:]}; "
             "SandboxConfig(isolation='none') runs without namespaces"
         )
-    names = (("uid",) if drop else ()) + iso.names
+    names = (("uid",) if drop else ()) + iso.names + (("seccomp",) if b" seccomp" in status else ())
+    names += (meter.kind,)
     if b"read-only-partial" in status:  # some host filesystem stayed writable
         names = tuple("mount(partial)" if n == "mount" else n for n in names)
     return SandboxResult(
         stdout=out.decode("utf-8", "replace"), stderr=stderr, exit_code=code_, timed_out=timed_out,
-        output_limited=limited, duration_s=time.monotonic() - start, isolation=",".join(names) or "none",
+        output_limited=limited, memory_limited=memory, duration_s=time.monotonic() - start,
+        isolation=",".join(names),
     )
 
 
@@ -237,18 +282,19 @@ def _feed(stdin, data: bytes) -> None:
             pass
 
 
-def _collect(proc, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
-    """Read stdout/stderr until both close, the deadline passes or a stream exceeds `cap`
-    bytes. Once the launcher has exited, stragglers holding the pipes are killed."""
+def _collect(proc, deadline: float, cap: int, meter) -> tuple[bytes, bytes, str | None]:
+    """Read stdout/stderr until both close, the deadline passes ("timeout"), a stream
+    exceeds `cap` bytes ("output") or the meter reports the memory bound passed ("memory").
+    Once the launcher has exited, stragglers holding the pipes are killed."""
     bufs = {"out": bytearray(), "err": bytearray()}
-    timed_out = limited = False
+    ended = None
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ, "out")
         sel.register(proc.stderr, selectors.EVENT_READ, "err")
-        while sel.get_map() and not limited:
+        while sel.get_map() and not ended:
             left = deadline - time.monotonic()
             if left <= 0:
-                timed_out = True
+                ended = "timeout"
                 break
             events = sel.select(timeout=min(left, 0.05))
             for key, _ in events:
@@ -259,10 +305,13 @@ def _collect(proc, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]
                 buf = bufs[key.data]
                 room = cap - len(buf)
                 buf += chunk[:room]
-                limited = limited or len(chunk) > room
+                if len(chunk) > room:
+                    ended = "output"
+            if not ended and meter.exceeded():
+                ended = "memory"
             if not events and proc.poll() is not None:
                 _kill_group(proc)  # launcher gone: children still holding the pipes
-    return bytes(bufs["out"]), bytes(bufs["err"]), timed_out, limited
+    return bytes(bufs["out"]), bytes(bufs["err"]), ended
 
 
 def _children(pid: int) -> list[int]:

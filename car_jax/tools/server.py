@@ -5,30 +5,36 @@
            with "return_scores": false (Search-R1's default) each row is a list of documents.
     GET /health     -> 200 {"status": "ok", "backend": ..., "num_docs": ...}
 
-Binds 127.0.0.1 unless told otherwise. Requests are validated: a body over `max_body_bytes`
-gets 413, a missing length 411, bad JSON or fields 400 (`{"error": ...}` explains which),
-unknown paths 404; backend failures 500. Connections speak HTTP/1.1 keep-alive.
+Binds 127.0.0.1 unless told otherwise. Every request gets a JSON answer: a body over
+`max_body_bytes` gets 413, a missing length 411, bad JSON or fields 400 (`{"error": ...}`
+explains which; JSON nested too deeply for the parser included), a body that stops short of
+its Content-Length 400 once `body_timeout_s` has passed (separate from the idle keep-alive
+`socket_timeout_s`), a known path with the wrong method 405 with an `Allow` header, unknown
+paths 404; backend failures 500. Connections speak HTTP/1.1 keep-alive; an error answered
+before the body was read closes the connection (the unread body would be taken for the next
+request).
 
-Concurrent requests are coalesced by `BatchingRetriever`: one worker thread takes every
-request waiting in the queue and searches them as one batch (one encoder call), so many
-small requests cost about as much as one big one, and the backend is only ever called from
-one thread.
+Concurrent requests are coalesced by `BatchingRetriever` (car_jax.tools.batching): one
+worker thread searches fair batches made of slices of every waiting request, so many small
+requests cost about as much as one big one, a small request is not stuck behind big ones,
+and the backend is only ever called from one thread.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import logging
-import queue
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from car_jax.tools.batching import BatchingRetriever
 from car_jax.tools.corpus import Doc
-from car_jax.tools.retriever import Retriever, SearchError
+from car_jax.tools.retriever import Retriever
 
 log = logging.getLogger(__name__)
+ROUTES = {"/retrieve": "POST", "/health": "GET"}  # path -> its one method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,61 +43,9 @@ class ServerLimits:
     max_queries: int = 1024  # per request
     max_topk: int = 100
     default_topk: int = 3  # when a request sends no topk (Search-R1 falls back the same way)
-    socket_timeout_s: float = 30.0  # idle keep-alive / slow client
-
-
-class BatchingRetriever(Retriever):
-    """Serializes and coalesces `search` calls from many threads onto one backend thread."""
-
-    def __init__(self, base: Retriever, max_batch_queries: int = 256):
-        self.base, self.max_batch = base, max_batch_queries
-        self._queue: queue.Queue = queue.Queue()
-        self._closed = False
-        self._worker = threading.Thread(target=self._run, name="retriever-batcher", daemon=True)
-        self._worker.start()
-
-    def _search(self, queries: list[str], topk: int) -> list[list[Doc]]:
-        if self._closed:
-            raise SearchError("the retriever is closed")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((queries, topk, future))
-        return future.result()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            batch, n = [item], len(item[0])
-            while n < self.max_batch:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)  # finish this batch, then stop
-                    break
-                batch.append(nxt)
-                n += len(nxt[0])
-            self._serve(batch)
-
-    def _serve(self, batch) -> None:
-        queries = [q for qs, _, _ in batch for q in qs]
-        try:
-            results = self.base.search(queries, max(k for _, k, _ in batch))
-        except BaseException as err:  # hand the failure to every waiting caller
-            for _, _, future in batch:
-                future.set_exception(err)
-            return
-        start = 0
-        for qs, k, future in batch:
-            future.set_result([docs[:k] for docs in results[start : start + len(qs)]])
-            start += len(qs)
-
-    def close(self) -> None:
-        self._closed = True
-        self._queue.put(None)
-        self._worker.join(timeout=10)
+    socket_timeout_s: float = 30.0  # idle keep-alive / slow client between requests
+    body_timeout_s: float = 10.0  # the whole body must arrive within this, once the headers have
+    max_batch_queries: int = 256  # per backend call (see BatchingRetriever)
 
 
 class _BadRequest(Exception):
@@ -104,8 +58,10 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
     """Search-R1 request body -> (queries, topk, return_scores); _BadRequest when invalid."""
     try:
         req = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise _BadRequest(HTTPStatus.BAD_REQUEST, f"body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise _BadRequest(HTTPStatus.BAD_REQUEST, "body is not valid JSON: nested too deeply") from None
     if not isinstance(req, dict):
         raise _BadRequest(HTTPStatus.BAD_REQUEST, "body must be a JSON object with a 'queries' list")
     queries = req.get("queries")
@@ -147,36 +103,94 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # per-request lines go to logging, not stderr
         log.debug("%s " + fmt, self.address_string(), *args)
 
-    def _send(self, status: HTTPStatus, obj: dict) -> None:
+    def _send(self, status: HTTPStatus, obj: dict, headers: dict | None = None) -> None:
         body = json.dumps(obj, ensure_ascii=False).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 
+    def _receive(self, length: int, keep: bool = True) -> tuple[bytes, int]:
+        """Read up to `length` body bytes, stopping when the client closes its side or
+        `body_timeout_s` has passed; returns (the bytes if `keep`, how many arrived)."""
+        limits = self.server.limits
+        deadline = time.monotonic() + limits.body_timeout_s
+        chunks, got = [], 0
+        try:
+            while got < length and (left := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(left)
+                chunk = self.rfile.read1(min(length - got, 1 << 16))
+                if not chunk:
+                    break
+                got += len(chunk)
+                if keep:
+                    chunks.append(chunk)
+        except OSError:  # TimeoutError included: the client stalled or went away
+            pass
+        finally:
+            self.connection.settimeout(limits.socket_timeout_s)
+        return b"".join(chunks), got
+
     def _discard(self, length: int) -> None:
         """Drain (at most 16 x the limit of) an oversized body, then close the connection."""
         self.close_connection = True
-        left = min(length, 16 * self.server.limits.max_body_bytes)
-        while left > 0:
-            chunk = self.rfile.read(min(left, 1 << 16))
-            if not chunk:
-                break
-            left -= len(chunk)
+        self._receive(min(length, 16 * self.server.limits.max_body_bytes), keep=False)
+
+    def _read_body(self, length: int) -> bytes:
+        """Exactly `length` bytes, all within `body_timeout_s`; else _BadRequest (400)."""
+        body, got = self._receive(length)
+        if got < length:
+            self.close_connection = True
+            raise _BadRequest(
+                HTTPStatus.BAD_REQUEST,
+                f"the body ended after {got} of its {length} bytes (Content-Length) "
+                f"within {self.server.limits.body_timeout_s:g} s",
+            )
+        return body
+
+    def _route(self, method: str) -> None:
+        """_BadRequest unless `method` is the one for this path (404 / 405 with Allow)."""
+        path = self.path.split("?")[0]
+        if path not in ROUTES:
+            routes = ", ".join(f"{m} {p}" for p, m in ROUTES.items())
+            raise _BadRequest(HTTPStatus.NOT_FOUND, f"no route {method} {self.path}; use {routes}")
+        if ROUTES[path] != method:
+            raise _BadRequest(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {ROUTES[path]}, not {method}")
+
+    def _refuse(self, err: _BadRequest) -> None:
+        headers = {"Allow": ROUTES[self.path.split("?")[0]]} if err.status == HTTPStatus.METHOD_NOT_ALLOWED else {}
+        self._send(err.status, {"error": str(err)}, headers)
 
     def do_GET(self):
-        if self.path.split("?")[0] != "/health":
-            return self._send(HTTPStatus.NOT_FOUND, {"error": f"no route GET {self.path}; try /health"})
+        try:
+            self._route("GET")
+        except _BadRequest as err:
+            return self._refuse(err)
         self._send(HTTPStatus.OK, {"status": "ok", **self.server.info})
+
+    def _not_allowed(self):
+        """Any other method: the body (if any) stays unread, so the connection closes."""
+        self.close_connection = True
+        try:
+            self._route(self.command)
+        except _BadRequest as err:
+            return self._refuse(err)
+
+    do_PUT = do_DELETE = do_PATCH = _not_allowed
 
     def do_POST(self):
         limits = self.server.limits
         try:
-            if self.path.split("?")[0] != "/retrieve":
-                raise _BadRequest(HTTPStatus.NOT_FOUND, f"no route POST {self.path}; use /retrieve")
+            try:
+                self._route("POST")
+            except _BadRequest:
+                self.close_connection = True  # its body stays unread
+                raise
             length = self.headers.get("Content-Length")
             if length is None or not length.strip().isdigit():
                 self.close_connection = True
@@ -188,9 +202,9 @@ class _Handler(BaseHTTPRequestHandler):
                     HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                     f"body of {length} bytes exceeds the limit of {limits.max_body_bytes}",
                 )
-            queries, topk, return_scores = parse_request(self.rfile.read(length), limits)
+            queries, topk, return_scores = parse_request(self._read_body(length), limits)
         except _BadRequest as err:
-            return self._send(err.status, {"error": str(err)})
+            return self._refuse(err)
         try:
             results = self.server.retriever.search(queries, topk)
         except Exception as err:  # noqa: BLE001 - report, keep serving
@@ -220,7 +234,7 @@ class RetrievalServer:
         limits: ServerLimits = ServerLimits(),
         info: dict | None = None,
     ):
-        self.batcher = BatchingRetriever(retriever)
+        self.batcher = BatchingRetriever(retriever, limits.max_batch_queries)
         self._httpd = _Server((host, port), self.batcher, limits, info or {})
         self._thread: threading.Thread | None = None
 

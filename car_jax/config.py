@@ -23,8 +23,10 @@ Rules:
   `null`; an empty value is null). An override replaces the whole value at its key.
 - Numbers like `1e-6` are floats (PyYAML alone would read them as strings).
 - Every error is a `ConfigError` naming the dotted path of the bad key, the value, and
-  what was expected; a dataclass's own `__post_init__` errors come back prefixed with
-  the path of the section that raised them.
+  what was expected. A dataclass checks its own ranges in `__post_init__` (with `require`,
+  or by raising ValueError); a message that starts with `field=` (`Class.field=`, or a
+  dotted `section.field=` below it) comes back at that key: `rl.steps: -3 must be >= 1`;
+  any other message comes back prefixed with the path of the section that raised it.
 - A field with `metadata={"config": False}` is not a key: the code sets it (an unknown key
   if a file names it; not dumped; a loaded config holds its class default). `rl.grpo.LossConfig.temperature` is one: the train
   step's builder takes it from the episode config.
@@ -57,11 +59,19 @@ import yaml
 T = TypeVar("T")
 
 __all__ = ["ConfigError", "load_config", "build_config", "apply_overrides", "dump_config",
-           "save_config", "parse_yaml"]
+           "save_config", "parse_yaml", "require"]
 
 
 class ConfigError(ValueError):
     """A config file, override or value does not fit the config dataclasses."""
+
+
+def require(ok: bool, field: str, value: Any, expected: str) -> None:
+    """A range check for a config's `__post_init__`: unless `ok`, raises
+    ValueError("field=value must be <expected>"), which the loader reports at the field's
+    dotted key (`rollout.group_size: 1 must be >= 2 ...`)."""
+    if not ok:
+        raise ValueError(f"{field}={value!r} must be {expected}")
 
 
 # --- YAML --------------------------------------------------------------------------------
@@ -220,7 +230,27 @@ def _build_dataclass(cls: type, data: Any, path: str) -> Any:
     except ConfigError:
         raise
     except (ValueError, TypeError, AssertionError) as e:
-        raise ConfigError(f"{_where(path)} ({cls.__name__}): {e}") from e
+        raise ConfigError(_post_init_message(cls, path, str(e), list(fields))) from e
+
+
+_KEY_RE = re.compile(r"([A-Za-z_][\w.]*)=")
+
+
+def _post_init_message(cls: type, path: str, msg: str, keys: list[str]) -> str:
+    """A `__post_init__` error of section `path` as one line at its dotted key: a message
+    "key=value rest" whose key names a field of `cls` (bare, after the name of `cls` or of a
+    base class and a dot, dotted below it, or already the full dotted path) becomes
+    "path.key: value rest"."""
+    m = _KEY_RE.match(msg)
+    if m:
+        key, rest = m.group(1), msg[m.end():]
+        for klass in cls.__mro__:  # "EpisodeConfig.top_k=" raised by a subclass's section too
+            key = key.removeprefix(f"{klass.__name__}.")
+        if key.split(".")[0] in keys:
+            return f"{path}.{key}: {rest}" if path else f"{key}: {rest}"
+        if path and key.startswith(f"{path}."):  # already the full dotted key
+            return f"{key}: {rest}"
+    return f"{_where(path)} ({cls.__name__}): {msg}"
 
 
 def _keys(cls: type) -> list[dataclasses.Field]:

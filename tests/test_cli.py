@@ -1,7 +1,11 @@
-"""The CLI's persistent XLA compilation cache."""
+"""The CLI: its persistent XLA compilation cache, and config errors as one line (exit 2)."""
 import os
 import subprocess
 import sys
+
+import pytest
+
+from car_jax.cli import main
 
 PROGRAM = """
 import sys
@@ -27,3 +31,52 @@ def test_compiled_programs_are_written_to_the_cache_folder(tmp_path):
 
 def test_the_cache_can_be_turned_off(tmp_path):
     assert run("off") == "None"
+
+
+# ---------------------------------------------------------------- config errors
+@pytest.fixture()
+def no_model(monkeypatch):
+    """Loading a model (or converting the embedded one) fails the test loudly."""
+    import car_jax
+    import car_jax.eval.job
+    import car_jax.train.setup
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    for module, name in ((car_jax, "load_model"), (car_jax.train.setup, "load_policy"),
+                         (car_jax.train.setup, "default_model_dir"), (car_jax.eval.job, "load_eval_model")):
+        monkeypatch.setattr(module, name, refuse)
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["train", "rollout.group_size=0"], "rollout.group_size: 0 must be >= 2"),
+    (["train", "rollout.group_size=1"], "rollout.group_size: 1 must be >= 2"),
+    (["train", "rl.steps=-3"], "rl.steps: -3 must be >= 1"),
+    (["train", "rl.optim.lr=0"], "rl.optim.lr: 0.0 must be > 0"),
+    (["train", "rl.kl_cof=0.1"], "unknown key 'rl.kl_cof'"),
+    (["train", "--config", "no/such.yaml"], "--config: config file 'no/such.yaml' does not exist"),
+    (["eval", "batch_size=0"], "batch_size: 0 must be >= 1"),
+    (["eval", "episode.top_p=2"], "episode.top_p: 2.0 must be in (0, 1]"),
+])
+def test_config_error_is_one_line_and_exit_2(argv, key, capsys, no_model):
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith(f"car-jax {argv[0]}: error: {key}") and out.err.count("\n") == 1, out.err
+    assert "Traceback" not in out.err + out.out
+
+
+def test_mesh_devices_beyond_the_machine_fail_before_the_model_loads(tmp_path, capsys, no_model):
+    import jax
+
+    n = jax.device_count()
+    assert main(["train", f"mesh.devices={n + 1}", f"run.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"car-jax train: error: mesh.devices: {n + 1} devices") and f"only {n} are" in err
+    assert err.count("\n") == 1
+
+
+def test_run_refuses_bad_counts_before_loading(capsys, no_model):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--rl-steps", "0"])
+    assert e.value.code == 2 and "--rl-steps: 0 must be >= 1" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from car_jax.config import (
     dump_config,
     load_config,
     parse_yaml,
+    require,
     save_config,
 )
 
@@ -165,9 +166,63 @@ def test_literal_lists_allowed_values():
     assert load_config(TrainCfg, None, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"
 
 
-def test_post_init_errors_get_the_path():
-    with pytest.raises(ConfigError, match=r"^rl \(RLCfg\): group_size=1 must be >= 2"):
-        load_config(TrainCfg, None, ["rl.group_size=1"])
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    lr: float = 0.1
+    steps: int = 1
+    note: str = ""
+
+    def __post_init__(self):
+        require(self.lr > 0, "lr", self.lr, "> 0")
+        if self.steps < 0:
+            raise ValueError(f"Checked.steps={self.steps} must be >= 0")
+        if self.note == "bad":
+            raise ValueError("the note is bad")  # names no field: reported at the section
+
+
+@dataclasses.dataclass(frozen=True)
+class Top:
+    inner: Checked = Checked()
+    rl: RLCfg = RLCfg()
+
+    def __post_init__(self):
+        if self.inner.steps > self.rl.group_size:  # a check across sections names its dotted key
+            raise ValueError(f"inner.steps={self.inner.steps} must be <= rl.group_size={self.rl.group_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    x: int = 0
+
+    def __post_init__(self):
+        if self.x > 3:  # a message may already give the full dotted key (it knows where it sits)
+            raise ValueError(f"outer.x={self.x} must be <= 3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Wrapper:
+    top: Top = Top()
+    outer: Placed = Placed()
+
+    def __post_init__(self):
+        if self.top.inner.lr > 1:  # a check of a section below names its dotted key from here
+            raise ValueError(f"top.inner.lr={self.top.inner.lr} must be <= 1 here")
+
+
+def test_post_init_errors_name_the_dotted_key():
+    cases = [
+        (TrainCfg, "rl.group_size=1", "rl.group_size: 1 must be >= 2 for GRPO"),
+        (Top, "inner.lr=0", "inner.lr: 0.0 must be > 0"),
+        (Top, "inner.steps=-2", "inner.steps: -2 must be >= 0"),  # "Class.field=" too
+        (Top, "inner.steps=9", "inner.steps: 9 must be <= rl.group_size=5"),
+        (Top, "inner.note=bad", "inner (Checked): the note is bad"),
+        (Wrapper, "top.inner.lr=2", "top.inner.lr: 2.0 must be <= 1 here"),
+        (Wrapper, "outer.x=5", "outer.x: 5 must be <= 3"),
+    ]
+    for cls, override, message in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config(cls, None, [override])
+        assert str(e.value) == message
 
 
 def test_required_keys_and_optional_sections():

@@ -90,13 +90,14 @@ class RewardConfig:
 
     def __post_init__(self):
         if self.kind not in ("binary", "brier", "weighted_brier", "mscr"):
-            raise ValueError(f"unknown reward kind {self.kind!r}")
-        if not (self.b1 > 0 and self.b2 > 0):
-            raise ValueError("mscr needs b1 > 0 and b2 > 0")
+            raise ValueError(f"kind={self.kind!r} must be one of binary, brier, weighted_brier, mscr")
+        for f in ("b1", "b2"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"{f}={getattr(self, f)} must be > 0 (mscr)")
         if not 0 < self.weight <= 1:
-            raise ValueError("weighted_brier needs 0 < weight <= 1")
+            raise ValueError(f"weight={self.weight} must be in (0, 1] (weighted_brier)")
         if not self.format_penalty >= 0:
-            raise ValueError("format_penalty must be >= 0")
+            raise ValueError(f"format_penalty={self.format_penalty} must be >= 0")
 
 
 def reward_fn(cfg: RewardConfig) -> RewardFn:

@@ -1,11 +1,19 @@
 """The `car-jax` entry point. Each sub-command lives in the module that owns its logic;
 a module listed here exposes `register(subparsers)` which adds its parsers and sets
-`func(args) -> int` on them."""
+`func(args) -> int` on them.
+
+A bad config (`car_jax.config.ConfigError`: an unknown key, a wrong type, a value out of
+range, a missing --config file, more mesh devices than there are) ends any command with
+one line on stderr, `car-jax train: error: rl.steps: -3 must be >= 1 ...`, and exit
+status 2, as argparse does for bad arguments. Configs are checked before any model loads."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import sys
+
+from car_jax.config import ConfigError, load_config
 
 # modules that contribute sub-commands, imported only when the CLI starts
 COMMAND_MODULES = (
@@ -49,15 +57,13 @@ def add_config_args(parser: argparse.ArgumentParser, what: str, example: str) ->
     parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
 
 
-def load_config_or_exit(cls, args, command: str):
-    """`config.load_config(cls, args.config, args.overrides)`; a bad file or key ends the
-    command with a one-line message naming it."""
-    from car_jax.config import ConfigError, load_config
-
+def load_config_args(cls, args):
+    """`config.load_config(cls, args.config, args.overrides)`; a bad file or key raises
+    ConfigError (a missing --config file too), which `main` prints as one line naming it."""
     try:
         return load_config(cls, args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as err:
-        raise SystemExit(f"car-jax {command}: {err}") from None
+    except FileNotFoundError as err:
+        raise ConfigError(f"--config: {err}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,4 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     maybe_init_distributed()
     enable_compilation_cache()
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"car-jax {args.command}: error: {message}", file=sys.stderr)
+        return 2

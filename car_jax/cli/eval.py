@@ -13,7 +13,7 @@ The logic lives in `car_jax.eval.job` and `car_jax.eval.runner`.
 """
 from __future__ import annotations
 
-from car_jax.cli import add_config_args, load_config_or_exit
+from car_jax.cli import add_config_args, load_config_args
 
 
 def register(sub) -> None:
@@ -28,7 +28,7 @@ def eval_command(args) -> int:
     from car_jax.eval.job import EvalSetupError, output_dir, run_eval
     from car_jax.eval.runner import format_table
 
-    cfg = load_config_or_exit(EvalConfig, args, "eval")
+    cfg = load_config_args(EvalConfig, args)
     try:
         summary = run_eval(cfg)
     except EvalSetupError as err:

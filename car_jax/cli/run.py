@@ -8,10 +8,12 @@
   4. evaluate the trained policy on the same slice and print both tables.
 
 The sizes are small so that it finishes in minutes on two CPU cores; `car-jax train` and
-`car-jax eval` with a config from configs/ run the real thing.
+`car-jax eval` with a config from configs/ run the real thing. Every config is built (and
+checked) before the model loads.
 """
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -22,37 +24,68 @@ def register(sub) -> None:
     p = sub.add_parser("run", help="the main job on the embedded default model (train + evaluate CAR)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--out", default="runs/default", help="run folder")
-    p.add_argument("--eval-questions", type=int, default=8)
-    p.add_argument("--sft-steps", type=int, default=8)
-    p.add_argument("--rl-steps", type=int, default=2)
+    p.add_argument("--eval-questions", type=_at_least(1), default=8)
+    p.add_argument("--sft-steps", type=_at_least(0), default=8)
+    p.add_argument("--rl-steps", type=_at_least(1), default=2)
     p.add_argument("--chat-only", action="store_true", help="stop after the chat answer")
     p.set_defaults(func=_run)
 
 
-def _evaluate(folder, questions: int, out_dir: Path, label: str) -> dict:
-    """The search agent on the first `questions` world dev questions, through `car-jax eval`'s
-    config and job (`car_jax.eval`)."""
+def _at_least(low: int):
+    """An argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    return parse
+
+
+def _eval_config(model_path: str, questions: int, out_dir: Path):
+    """The search agent on the first `questions` world dev questions, as `car-jax eval`
+    runs it (`car_jax.eval`); model_path "" is the embedded model."""
     from car_jax.config import load_config
     from car_jax.eval.config import EvalConfig
-    from car_jax.eval.job import run_eval
 
-    cfg = load_config(EvalConfig, None, [
-        f"model.path={folder}", "data.path=world", "data.split=dev", f"data.limit={questions}", "mode=search",
+    return load_config(EvalConfig, None, [
+        f"model.path={model_path}", "data.path=world", "data.split=dev", f"data.limit={questions}", "mode=search",
         "episode.max_turns=2", "episode.max_response_tokens=64", "episode.max_obs_tokens=256",
         f"output.dir={out_dir}", "output.resume=true", "output.n_boot=200"])
-    print(f"\n== evaluating {label} on {questions} world dev questions (search agent) ==")
+
+
+def _train_config(args, out: Path):
+    from car_jax.config import load_config
+    from car_jax.train.config import TrainConfig
+
+    return load_config(TrainConfig, None, [
+        f"run.dir={out / 'train'}", f"rl.steps={args.rl_steps}", "rl.prompts_per_step=2", "rollout.group_size=4",
+        "rollout.max_turns=2", "rollout.max_response_tokens=64", "rollout.max_obs_tokens=256",
+        "rl.optim.lr=2e-6", "rl.micro_batch=4", "data.limit=64", "sft.data=world",
+        f"sft.steps={args.sft_steps}", "sft.batch=4", "sft.lr=1e-4", "mesh.devices=1",
+        "model.remat=true"])  # recompute layers in the backward pass: a few GB instead of ~15
+
+
+def _evaluate(cfg, label: str) -> dict:
+    from car_jax.eval.job import run_eval
+
+    print(f"\n== evaluating {label} on {cfg.data.limit} world dev questions (search agent) ==")
     return run_eval(cfg, label=label, log=lambda _: None)
 
 
 def _run(args) -> int:
     import car_jax
     from car_jax.checkpoints.embedded import default_model_dir
-    from car_jax.config import load_config
     from car_jax.eval.runner import compare_table, format_table
     from car_jax.rollout.generate import generate
-    from car_jax.train.config import TrainConfig
     from car_jax.train.trainer import train
 
+    out = Path(args.out)
+    cfg = _train_config(args, out)  # the configs first: a bad value fails before the model loads
+    base_eval = _eval_config("", args.eval_questions, out / "eval_base")
+    car_eval = _eval_config(str(out / "train" / "hf"), args.eval_questions, out / "eval_car")
     folder = default_model_dir()
     model = car_jax.load_model(folder)
     tokenizer = car_jax.load_tokenizer(folder)
@@ -64,23 +97,16 @@ def _run(args) -> int:
         return 0
     del model
 
-    out = Path(args.out)
-    before = _evaluate(folder, args.eval_questions, out / "eval_base", "base SmolLM2-135M-Instruct")
+    before = _evaluate(base_eval, "base SmolLM2-135M-Instruct")
     print(format_table(before))
 
-    cfg = load_config(TrainConfig, None, [
-        f"run.dir={out / 'train'}", f"rl.steps={args.rl_steps}", "rl.prompts_per_step=2", "rollout.group_size=4",
-        "rollout.max_turns=2", "rollout.max_response_tokens=64", "rollout.max_obs_tokens=256",
-        "rl.optim.lr=2e-6", "rl.micro_batch=4", "data.limit=64", "sft.data=world",
-        f"sft.steps={args.sft_steps}", "sft.batch=4", "sft.lr=1e-4", "mesh.devices=1",
-        "model.remat=true"])  # recompute layers in the backward pass: a few GB instead of ~15
     print(f"\n== training CAR (SFT warm start {args.sft_steps} steps, GRPO + MSCR {args.rl_steps} steps) ==")
     rows = train(cfg)
     for r in rows:
         print(f"step {r['step']}: reward {r['reward']:.3f} accuracy {r['accuracy']:.3f} ece {r['ece']:.3f} "
               f"format_ok {r['format_ok']:.2f} tool calls {r['tool_calls']:.2f}")
 
-    after = _evaluate(out / "train" / "hf", args.eval_questions, out / "eval_car", "car_jax CAR policy")
+    after = _evaluate(car_eval, "car_jax CAR policy")
     print(format_table(after))
     print(f"\n== before / after CAR training ({before['n']} world dev questions, search agent) ==")
     print(compare_table({"base": before, "CAR": after}))

@@ -1,7 +1,7 @@
 """`car-jax train --config configs/X.yaml [key=value ...]`."""
 from __future__ import annotations
 
-from car_jax.cli import add_config_args, load_config_or_exit
+from car_jax.cli import add_config_args, load_config_args
 
 
 def register(sub) -> None:
@@ -14,7 +14,7 @@ def _run(args) -> int:
     from car_jax.train.config import TrainConfig
     from car_jax.train.trainer import train
 
-    cfg = load_config_or_exit(TrainConfig, args, "train")
+    cfg = load_config_args(TrainConfig, args)
     rows = train(cfg)
     if rows:
         last = rows[-1]

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from car_jax.config import require
 from car_jax.eval.runner import EVAL_EPISODE
+from car_jax.models.config import DTYPES
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
 
@@ -24,6 +26,9 @@ class EvalModelConfig:
     tokenizer: str = ""  # tokenizer folder or .gguf; "" = model.path
     dtype: str = "float32"  # compute dtype (float32, bfloat16)
 
+    def __post_init__(self):
+        require(self.dtype in DTYPES, "dtype", self.dtype, f"a dtype name: one of {', '.join(DTYPES)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalDataConfig:
@@ -31,12 +36,19 @@ class EvalDataConfig:
     split: str | None = None  # world: dev (default) or train; a folder: the file stem
     limit: int | None = None  # the first N examples only
 
+    def __post_init__(self):
+        require(bool(self.path), "path", self.path, "'world', a data file or a folder")
+        require(self.limit is None or self.limit >= 1, "limit", self.limit, ">= 1, or null for every example")
+
 
 @dataclasses.dataclass(frozen=True)
 class OutputConfig:
     dir: str = ""  # output folder; "" = runs/eval-<mode>-<data>[-<split>]
     resume: bool = False  # skip the examples already in <dir>/samples.jsonl
     n_boot: int = 1000  # bootstrap resamples for the 95% intervals (0: none)
+
+    def __post_init__(self):
+        require(self.n_boot >= 0, "n_boot", self.n_boot, ">= 0 (0: no intervals)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,5 +63,5 @@ class EvalConfig:
     output: OutputConfig = OutputConfig()
 
     def __post_init__(self):
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+        require(self.seed >= 0, "seed", self.seed, ">= 0")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1")

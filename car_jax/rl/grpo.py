@@ -36,6 +36,13 @@ class LossConfig:
     temperature: float = dataclasses.field(default=1.0, metadata={"config": False})
 
     def __post_init__(self):
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"clip_low={self.clip_low} must be in [0, 1): the ratio's lower bound is 1 - clip_low")
+        for f in ("clip_high", "kl_coef", "entropy_coef"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"{f}={getattr(self, f)} must be >= 0")
+        if not self.log_ratio_clamp > 0:
+            raise ValueError(f"log_ratio_clamp={self.log_ratio_clamp} must be > 0")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (verl uses 3.0) or None")
         if self.temperature <= 0:

@@ -21,6 +21,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from car_jax.config import require
 from car_jax.models.decoder import Decoder
 from car_jax.models.xla_cpu import stack_layers
 from car_jax.rl import grpo
@@ -47,7 +48,18 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # global-norm clip; 0: off
+
+    def __post_init__(self):
+        require(self.lr > 0, "lr", self.lr, "> 0")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, ">= 0")
+        require(self.total_steps >= 1, "total_steps", self.total_steps, ">= 1")
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        for f in ("b1", "b2"):
+            require(0 <= getattr(self, f) < 1, f, getattr(self, f), "in [0, 1)")
+        for f in ("weight_decay", "grad_clip"):
+            require(getattr(self, f) >= 0, f, getattr(self, f), ">= 0")
+        require(self.eps > 0, "eps", self.eps, "> 0")
 
 
 @functools.lru_cache(maxsize=16)

@@ -51,6 +51,8 @@ class EpisodeConfig:
                 raise ValueError(f"EpisodeConfig.{f}={getattr(self, f)} must be >= 1")
         if self.max_turns < 0:
             raise ValueError(f"EpisodeConfig.max_turns={self.max_turns} must be >= 0")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"EpisodeConfig.tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds)")
         _ = self.sampler  # Sampler checks temperature, top_p and top_k
 
     @property

@@ -25,6 +25,8 @@ class ToolsConfig:
     code_timeout_s: float = 5.0  # seconds per program in the Python sandbox (TIR)
 
     def __post_init__(self):
+        if not self.retriever:
+            raise ValueError("retriever='' must be 'world', an index folder or an http(s) URL")
         if self.topk < 1:
             raise ValueError(f"topk={self.topk} must be >= 1")
         if self.code_timeout_s <= 0:

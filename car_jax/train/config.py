@@ -3,14 +3,20 @@
 Load with `car_jax.config.load_config(TrainConfig, "configs/X.yaml", ["rl.loss.kl_coef=0"])`;
 every field below is a YAML key (nested by section). The episode settings (`rollout`) are
 `rollout.episode.EpisodeConfig`'s, the ones `car-jax eval` reads too, and the tools
-(`tools`) are `rollout.toolbox.ToolsConfig`, shared with eval as well.
+(`tools`) are `rollout.toolbox.ToolsConfig`, shared with eval as well. Each section checks
+its ranges when it is built, and `TrainConfig` the batch layout across sections, so a bad
+value fails at load time (`ConfigError` naming the dotted key), before any model loads.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import math
+from typing import Any, Literal, Sequence
 
 from car_jax.calibration.rewards import RewardConfig
+from car_jax.config import ConfigError, require
+from car_jax.data.prompts import TEMPLATES
+from car_jax.models.config import DTYPES
 from car_jax.rl.grpo import LossConfig
 from car_jax.rl.steps import OptimConfig
 from car_jax.rollout.episode import EpisodeConfig
@@ -25,12 +31,39 @@ class PolicyConfig:
     param_dtype: str = "float32"  # storage dtype of the policy (optimizer moments follow it)
     remat: bool = False  # recompute each layer in the backward pass
 
+    def __post_init__(self):
+        for f in ("dtype", "param_dtype"):
+            require(getattr(self, f) in DTYPES, f, getattr(self, f), f"a dtype name: one of {', '.join(DTYPES)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     fsdp: int = -1  # -1: the devices left after tp
     tp: int = 1
     devices: int = 0  # use the first N devices; 0 = all. With one device there is no mesh.
+
+    def __post_init__(self):
+        for f in ("fsdp", "tp"):
+            require(getattr(self, f) >= 1 or getattr(self, f) == -1, f, getattr(self, f),
+                    ">= 1, or -1 for the devices the other axis leaves")
+        require(self.tp != -1 or self.fsdp != -1, "tp", self.tp, "a size when fsdp=-1 (one axis at most may be -1)")
+        require(self.devices >= 0, "devices", self.devices, ">= 0 (0: all devices)")
+
+    def pick(self, available: Sequence[Any]) -> list:
+        """The devices the mesh spans: the first `devices` of `available` (all for 0). Raises
+        ConfigError naming mesh.devices when more are asked for than `available` holds, and
+        mesh.fsdp when fsdp x tp does not fit the devices picked (checked with two or more:
+        one device has no mesh)."""
+        n = self.devices or len(available)
+        if n > len(available):
+            raise ConfigError(f"mesh.devices: {self.devices} devices asked for, but only {len(available)} are "
+                              f"available; use at most {len(available)} (or 0 for all of them)")
+        known = math.prod(s for s in (self.fsdp, self.tp) if s != -1)
+        if n > 1 and (n % known or (-1 not in (self.fsdp, self.tp) and known != n)):
+            raise ConfigError(f"mesh.fsdp: fsdp={self.fsdp} x tp={self.tp} does not fit the {n} devices used "
+                              f"(mesh.devices={self.devices}, {len(available)} available): the product must be "
+                              f"{n}, or divide it with -1 for the axis that takes the rest")
+        return list(available[:n])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +73,12 @@ class DataConfig:
     template: str = "search"  # car_jax.data.prompts.TEMPLATES
     limit: int | None = None  # use only the first N examples
     shuffle_seed: int = 0
+
+    def __post_init__(self):
+        require(bool(self.train), "train", self.train, "a dataset path or built-in name (e.g. world)")
+        require(self.template in TEMPLATES, "template", self.template, f"one of {', '.join(TEMPLATES)}")
+        require(self.limit is None or self.limit >= 1, "limit", self.limit, ">= 1, or null for every example")
+        require(self.shuffle_seed >= 0, "shuffle_seed", self.shuffle_seed, ">= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +91,9 @@ class RolloutConfig(EpisodeConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.group_size < 1:
-            raise ValueError(f"group_size={self.group_size} must be >= 1")
+        require(self.group_size >= 2, "group_size", self.group_size,
+                ">= 2: GRPO's advantage compares the trajectories of a prompt with each other (a group of one "
+                "has no baseline: its advantage would be the raw reward)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +108,13 @@ class RLConfig:
     loss: LossConfig = LossConfig()  # its log-prob temperature is the rollout's, not a key here
     optim: OptimConfig = OptimConfig(lr=1e-6, warmup_steps=0, grad_clip=1.0)
 
+    def __post_init__(self):
+        require(self.steps >= 1, "steps", self.steps, ">= 1 (GRPO steps to run)")
+        require(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step, ">= 1")
+        for f in ("mini_batch", "micro_batch"):
+            require(getattr(self, f) >= 0, f, getattr(self, f), ">= 0 (0: the whole step's / mini-batch's rows)")
+        require(self.epochs >= 1, "epochs", self.epochs, ">= 1")
+
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
@@ -75,6 +122,13 @@ class SFTConfig:
     steps: int = 0
     batch: int = 8
     lr: float = 1e-5
+
+    def __post_init__(self):
+        require(self.steps >= 0, "steps", self.steps, ">= 0 (0: no SFT warm start)")
+        require(self.data is not None or self.steps == 0, "data", self.data,
+                f"a JSONL file or 'world' when sft.steps={self.steps} > 0 (or set sft.steps=0)")
+        require(self.batch >= 1, "batch", self.batch, ">= 1")
+        require(self.lr > 0, "lr", self.lr, "> 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +139,11 @@ class RunConfig:
     tensorboard: bool = True
     resume: bool = True  # continue from the latest checkpoint in dir
     export_hf: bool = True  # write the final policy as an HF folder (dir/hf)
+
+    def __post_init__(self):
+        require(bool(self.dir), "dir", self.dir, "a folder path")
+        require(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, ">= 1 (steps)")
+        require(self.keep >= 1, "keep", self.keep, ">= 1 (checkpoints kept)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,3 +158,15 @@ class TrainConfig:
     rl: RLConfig = RLConfig()
     sft: SFTConfig = SFTConfig()
     run: RunConfig = RunConfig()
+
+    def __post_init__(self):
+        require(self.seed >= 0, "seed", self.seed, ">= 0")
+        rl, n = self.rl, self.rl.prompts_per_step * self.rollout.group_size
+        mini = rl.mini_batch or n
+        micro = rl.micro_batch or mini
+        require(n % mini == 0, "rl.mini_batch", rl.mini_batch, f"a divisor of the {n} trajectories of a step "
+                f"(rl.prompts_per_step={rl.prompts_per_step} x rollout.group_size={self.rollout.group_size}), or 0")
+        require(mini % micro == 0, "rl.micro_batch", rl.micro_batch, f"a divisor of the mini-batch ({mini}), or 0")
+        if self.mesh.fsdp > 1 and self.mesh.devices != 1:  # the rows of a micro-batch are split over fsdp
+            require(micro % self.mesh.fsdp == 0, "rl.micro_batch", rl.micro_batch,
+                    f"such that a micro-batch ({micro} rows) is a multiple of mesh.fsdp={self.mesh.fsdp}")

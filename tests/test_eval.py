@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -64,6 +65,9 @@ def scripted(monkeypatch):
                 raise RuntimeError("simulated crash")
             t = Trajectory(prompt_ids=[1])
             t.text, t.n_turns, t.n_tool_calls, t.answered = text, 1 + text.count("<search>"), text.count("<search>"), True
+            # as run_episodes splits it: the <information> blocks are the tool's pieces
+            parts = re.split(r"(\n*<information>.*?</information>\n*)", text, flags=re.DOTALL)
+            t.pieces = [(part, k % 2 == 0) for k, part in enumerate(parts) if part]
             out.append(t)
         return out
 

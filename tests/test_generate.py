@@ -11,7 +11,7 @@ from car_jax.assets import smollm2_gguf
 from car_jax.models.policy import PLAIN, XLA_CPU
 from car_jax.rollout.generate import generate, generate_ids
 from car_jax.rollout.sampling import Sampler, truncate
-from car_jax.rollout.stops import STOP, matches, stop_tables, token_texts
+from car_jax.rollout.stops import STOP, Balanced, matches, stop_tables, token_texts
 from tests.hf_factory import StubTokenizer, build, qwen_tokenizer
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",
@@ -46,15 +46,16 @@ def test_greedy_equals_transformers_generate(smollm2_hf, policy):
 @pytest.fixture(scope="module", params=["smollm2", "qwen"])
 def vocab(request):
     tok = car_jax.load_tokenizer(smollm2_gguf()) if request.param == "smollm2" else qwen_tokenizer()
-    patterns = ["</search>", "</answer>", ("```python", "```")]
+    patterns = ["</search>", "</answer>", ("```python", "```"), Balanced("\\boxed{")]
     return tok, token_texts(tok), stop_tables(tok, patterns), patterns
 
 
 FRAGMENTS = ["</search>", "</answer>", "</", "search", ">", "\n", "\n\n", ">\n\n", "```", "```python\n",
-             "python", "print(1)", " the", "<answer>", "Paris", "sea", "rch>", "`", "``", "</sea", " ", "ans"]
+             "python", "print(1)", " the", "<answer>", "Paris", "sea", "rch>", "`", "``", "</sea", " ", "ans",
+             "\\boxed{", "\\box", "ed{", "{", "}", "}}", "\\frac{1}{2}", "x}", "{{"]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(parts=st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=12), split=st.booleans())
 def test_stop_automaton_agrees_with_text_search(vocab, parts, split):
     tok, texts, tables, patterns = vocab
@@ -198,3 +199,12 @@ def test_generate_text_api(smollm2_hf):
     [text] = generate(model, tok, [[{"role": "user", "content": "What is the capital of France?"}]],
                       max_new_tokens=24)
     assert "Paris" in text
+
+
+def test_balanced_stop_counts_nested_braces():
+    """The boxed stop fires on the brace that closes `\\boxed{`, however the text is split."""
+    assert matches("\\boxed{\\frac{1}{2}}", Balanced("\\boxed{"))
+    assert not matches("\\boxed{\\frac{1}{2}", Balanced("\\boxed{"))  # the first } is not the end
+    assert not matches("{}} \\boxed{", Balanced("\\boxed{"))  # braces before the opener do not count
+    with pytest.raises(ValueError, match="open"):
+        Balanced("\\boxed(")

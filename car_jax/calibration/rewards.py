@@ -14,7 +14,7 @@ shows up in the reward instead of being hidden). Hyperparameters are traced, not
 changing them does not recompile.
 
 A `RewardConfig` picks one of these functions on the host (`reward_fn`); nothing inside the
-jitted code switches on strings. `reward_inputs` turns response texts into the three arrays.
+jitted code switches on strings. `reward_inputs` turns responses (an episode's pieces, or texts) into the three arrays.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from car_jax.calibration import parsing
+from car_jax.calibration import parsing, pieces
 
 RewardFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -121,30 +121,37 @@ class RewardInputs(NamedTuple):
 
 
 def reward_inputs(
-    responses: Sequence[str], golds: Sequence[Sequence[str]], task: Literal["qa", "math"] = "qa"
+    responses: Sequence[pieces.Response], golds: Sequence[Sequence[str]],
+    task: Literal["qa", "math"] | Sequence[Literal["qa", "math"]] = "qa",
 ) -> RewardInputs:
-    """Parses B response texts (response part only, see `car_jax.calibration.parsing`) against their golds.
+    """Parses B responses against their golds. A response is an episode's pieces ((text,
+    written by the model) pairs: answers and confidences come from the model's own text
+    only, see `car_jax.calibration.pieces`) or a plain response string (the response part
+    only, see `car_jax.calibration.parsing`). `task` is one task for all rows or one per
+    row (a step may mix search questions and math problems).
 
     task "qa" (search agent): correct = SQuAD exact match of the last `<answer>` against any
     gold (no answer -> wrong); format_ok = the full `parsing.check_format` chain.
     task "math" (TIR): correct = `parsing.math_equal` on the last `<answer>` if there is one,
-    else on the whole response (its last `\\boxed{}`); format_ok = the confidence parses (the
-    search chain does not apply to code trajectories).
+    else on the last `\\boxed{}` (the model's, else its program's); format_ok = the confidence
+    parses (the search chain does not apply to code trajectories).
     In both, q = 0 when the confidence is missing or does not parse.
     """
-    if len(responses) != len(golds):
-        raise ValueError(f"{len(responses)} responses but {len(golds)} gold lists")
+    tasks = [task] * len(responses) if isinstance(task, str) else list(task)
+    if not len(responses) == len(golds) == len(tasks):
+        raise ValueError(f"{len(responses)} responses, {len(golds)} gold lists and {len(tasks)} tasks: "
+                         f"give one of each per row")
     correct, q, ok = [], [], []
-    for text, gold in zip(responses, golds):
-        parsed = parsing.parse_response(text)
-        if task == "qa":
+    for response, gold, kind in zip(responses, golds, tasks):
+        parsed = pieces.parse_pieces(response)
+        if kind == "qa":
             correct.append(parsed.answer is not None and parsing.exact_match(parsed.answer, gold))
             ok.append(parsed.format_ok)
-        elif task == "math":
-            answer = text if parsed.answer is None else parsed.answer
+        elif kind == "math":
+            answer = pieces.boxed_source(response) if parsed.answer is None else parsed.answer
             correct.append(parsing.math_equal(answer, gold))
             ok.append(parsed.confidence_ok)
         else:
-            raise ValueError(f"unknown task {task!r}")
+            raise ValueError(f"unknown task {kind!r}: choose 'qa' or 'math'")
         q.append(parsed.q)
     return RewardInputs(np.array(correct, bool), np.array(q, np.float32), np.array(ok, bool))

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from car_jax.calibration import metrics, parsing
+from car_jax.calibration import metrics, parsing, pieces
 from car_jax.calibration.plots import reliability_diagram
 from car_jax.calibration.rewards import reward_inputs
 from car_jax.data.examples import QAExample
@@ -73,20 +73,23 @@ def get_mode(name: str) -> Mode:
 
 
 # ---------------------------------------------------------------- scoring
-def score(examples: Sequence[QAExample], responses: Sequence[str], mode: str) -> list[dict]:
-    """Response texts (response part only) -> one sample record per example (no episode stats).
+def score(examples: Sequence[QAExample], responses: Sequence[pieces.Response], mode: str) -> list[dict]:
+    """Responses (an episode's pieces, or response texts) -> one sample record per example
+    (no episode stats). Answers and confidences come from the model's own text only
+    (`car_jax.calibration.pieces`); `response` is the whole text, tools' pieces included.
 
     Record: id, question, golden_answers, data_source, mode, response, answer (None when the
     response has none), confidence (q in [0, 1], 0 when missing), confidence_ok, correct (bool),
     format_ok (bool), format_reason, plus `kind` / `answerable` when the example's meta has them.
     """
     out = []
-    for ex, text in zip(examples, responses, strict=True):
-        inputs = reward_inputs([text], [list(ex.golden_answers)], task=ex.task)
-        parsed = parsing.parse_response(text)
+    for ex, response in zip(examples, responses, strict=True):
+        inputs = reward_inputs([response], [list(ex.golden_answers)], task=ex.task)
+        parsed = pieces.parse_pieces(response)
+        text = response if isinstance(response, str) else "".join(t for t, _ in response)
         answer = parsed.answer
         if ex.task == "math":
-            answer = answer if answer is not None else parsing.last_boxed(text)
+            answer = answer if answer is not None else parsing.last_boxed(pieces.boxed_source(response))
             reason = "" if parsed.confidence_ok else "confidence missing or not a number in [0, 100]"
         else:
             reason = parsed.reason
@@ -271,7 +274,7 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
         prompts = [make_prompt(e, spec.template) for e in batch]
         trajs = run_episodes(model, tokenizer, prompts, tools, config=config, protocol=spec.protocol(),
                              seed=seed + start, stats=stats)
-        records = score(batch, [t.text for t in trajs], mode)
+        records = score(batch, [t.pieces for t in trajs], mode)
         for rec, t in zip(records, trajs):
             rec.update(n_turns=t.n_turns, n_tool_calls=t.n_tool_calls, answered=t.answered,
                        tool_requests=[log["request"] for log in t.tool_log])

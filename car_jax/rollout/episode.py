@@ -90,8 +90,12 @@ class Trajectory:
     n_turns: int = 0  # segments generated
     n_tool_calls: int = 0
     tool_log: list[dict] = dataclasses.field(default_factory=list)
-    observations: list[str] = dataclasses.field(default_factory=list)  # text appended after each turn
+    observations: list[str] = dataclasses.field(default_factory=list)  # each tool turn's observation, before truncation
     text: str = ""  # the response decoded (sampled and observation tokens)
+    # the response as (text, written by the model) pieces, one per run of sampled or of
+    # observation tokens: what the reward parses (answers and confidences are read from
+    # the model's own pieces only, never from a tool's)
+    pieces: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
     answered: bool = False  # ended with an answer action (or EOS in the last turn)
     void_turns: int = 0  # TIR turns with neither code nor answer
 
@@ -102,6 +106,17 @@ class Trajectory:
         if not len(self.response_ids) == len(self.logprobs) == len(self.loss_mask):
             raise ValueError(f"response_ids, logprobs and loss_mask differ in length: {len(self.response_ids)}, "
                              f"{len(self.logprobs)}, {len(self.loss_mask)}")
+
+    def spans(self) -> list[tuple[int, int, bool]]:
+        """(start, end, sampled) of each maximal run of sampled / observation tokens."""
+        edges = np.flatnonzero(np.diff(self.loss_mask.astype(np.int8))) + 1
+        bounds = [0, *edges.tolist(), len(self.loss_mask)]
+        return [(a, b, bool(self.loss_mask[a])) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+    def decode_pieces(self, tokenizer) -> list[tuple[str, bool]]:
+        """The response decoded run by run (special tokens skipped): (text, by the model)."""
+        return [(tokenizer.decode(self.response_ids[a:b], skip_special_tokens=True), sampled)
+                for a, b, sampled in self.spans()]
 
     def add(self, ids, logps=None, sampled: bool = True):
         """Appends a segment: sampled tokens with their log-probs, or (sampled=False) an
@@ -181,14 +196,20 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
         t0 = time.perf_counter()
         chunks = [[] for _ in range(b)]
         for i, action in actions.items():
-            obs = protocol.observation(action, results.get(i, ""))
-            obs_ids = tokenizer(obs, add_special_tokens=False)["input_ids"][: config.max_obs_tokens] if obs else []
+            parts = protocol.wrap(action, results.get(i, ""))
+            obs_ids = observation_ids(tokenizer, parts, config.max_obs_tokens)
             pending = [int(out.tokens[i, out.length[i] - 1])] if out.stopped[i] else []
             trajs[i].add(obs_ids, sampled=False)
-            trajs[i].observations.append(obs)
+            trajs[i].observations.append("".join(parts))
             chunks[i] = pending + obs_ids
+            # TIR: the program printed the boxed answer (and it fit the budget)
+            if protocol.ends_episode(tokenizer.decode(obs_ids, skip_special_tokens=True)):
+                trajs[i].answered = True
+                active[i] = False
             if not chunks[i]:  # a void turn cut by the budget: nothing new to condition on
                 active[i] = False
+            if not active[i]:
+                chunks[i] = []
         if not active.any():
             break
         # pad to the longest new chunk of this turn (bucketed), not to the budget
@@ -197,4 +218,21 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
         stats.prefilled_tokens += int(valid.sum())
     for traj in trajs:
         traj.text = tokenizer.decode(traj.response_ids, skip_special_tokens=True)
+        traj.pieces = traj.decode_pieces(tokenizer)
     return trajs
+
+
+def observation_ids(tokenizer, parts: tuple[str, str, str], budget: int) -> list[int]:
+    """Token ids of the observation head + body + tail, at most `budget` of them: when
+    the whole does not fit, the body (the tool's result) is cut and the wrapper kept, so
+    `</information>` is never lost to a long result (if the wrapper alone exceeds the
+    budget, the whole is cut at it)."""
+    text = "".join(parts)
+    if not text:
+        return []
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= budget:
+        return ids
+    head, body, tail = (tokenizer(p, add_special_tokens=False)["input_ids"] if p else [] for p in parts)
+    room = budget - len(head) - len(tail)
+    return head + body[:room] + tail if room >= 0 else ids[:budget]

@@ -3,13 +3,20 @@ result is written back as an observation. Host-side string handling only.
 
 SearchR1 (evidence tool): the first `<search>q</search>` or `<answer>a</answer>` in the
 segment decides; anything else is an invalid action, answered with a fixed message.
-TIR (verification tool, SimpleTIR style): a `\\boxed{` ends the episode; else the first
-fenced Python block is run; a turn with neither is *void*.
+TIR (verification tool, SimpleTIR style): a `\\boxed{` ends the episode (when the model
+writes it, at its balanced closing brace; when the program prints it with `final_answer`, at
+that observation); else the first fenced Python block is run; a turn with neither is *void*.
+
+An observation is `head + body + tail` (`wrap`): the episode loop truncates the body (the
+tool's result) to the observation budget and keeps the wrapper whole, so a long result never
+costs the closing tag.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+
+from car_jax.rollout.stops import Balanced
 
 ANSWER, INVALID, VOID = "answer", "invalid", "void"
 
@@ -37,10 +44,18 @@ class SearchR1:
             return Action(INVALID)
         return Action("search" if m.group(1) == "search" else ANSWER, m.group(2).strip())
 
-    def observation(self, action: Action, result: str) -> str:
+    def wrap(self, action: Action, result: str) -> tuple[str, str, str]:
+        """(head, body, tail) of the observation for `action`'s tool `result`."""
         if action.kind == INVALID:
-            return self.invalid_message
-        return f"\n\n<information>{result.strip()}</information>\n\n"
+            return "", self.invalid_message, ""
+        return "\n\n<information>", result.strip(), "</information>\n\n"
+
+    def observation(self, action: Action, result: str) -> str:
+        return "".join(self.wrap(action, result))
+
+    def ends_episode(self, observation: str) -> bool:
+        """Search observations never end an episode (only the model's answer does)."""
+        return False
 
 
 def car_search() -> SearchR1:
@@ -51,11 +66,12 @@ def car_search() -> SearchR1:
 
 @dataclasses.dataclass(frozen=True)
 class TIR:
-    """Fenced Python blocks run by the code tool; `\\boxed{...}` is the final answer.
-    The stop for an answer is the first `}` after `\\boxed{`: a nested brace ends the
-    segment early, and the answer text is still read from the full trajectory."""
-    stops: tuple = (("```python", "```"), ("\\boxed{", "}"))
-    final_stops: tuple = (("\\boxed{", "}"),)
+    """Fenced Python blocks run by the code tool; `\\boxed{...}` is the final answer. A
+    segment holding the answer stops at the brace that closes `\\boxed{` (nested braces,
+    as in `\\boxed{\\frac{1}{2}}`, are counted); a `\\boxed{` that the program prints
+    (`final_answer`) ends the episode after that observation."""
+    stops: tuple = (("```python", "```"), Balanced("\\boxed{"))
+    final_stops: tuple = (Balanced("\\boxed{"),)
     _code = re.compile(r"```python\n?(.*?)```", re.DOTALL)
 
     def parse(self, text: str) -> Action:
@@ -64,11 +80,19 @@ class TIR:
         m = self._code.search(text)
         return Action("code", m.group(1)) if m else Action(VOID)
 
-    def observation(self, action: Action, result: str) -> str:
+    def wrap(self, action: Action, result: str) -> tuple[str, str, str]:
+        """(head, body, tail); a void turn has no observation."""
         if action.kind == VOID:
-            return ""
+            return "", "", ""
         # the code tool already formats "Code execution result: <stdout>" (512 chars max)
-        return f"\n```output\n{result}\n```\n"
+        return "\n```output\n", result, "\n```\n"
+
+    def observation(self, action: Action, result: str) -> str:
+        return "".join(self.wrap(action, result))
+
+    def ends_episode(self, observation: str) -> bool:
+        """A boxed answer printed by the program (`final_answer`) is the episode's answer."""
+        return "\\boxed{" in observation
 
 
 # the config names of the protocols (`rollout.protocol`) -> (factory, the tool kind it calls)

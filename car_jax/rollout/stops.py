@@ -1,7 +1,9 @@
 """Stop detection that survives any BPE split or merge of the stop text.
 
 A stop pattern is a sequence of strings that must appear in order in the generated
-text of one segment: ("</search>",) or, for a fenced code block, ("```python", "```").
+text of one segment: ("</search>",) or, for a fenced code block, ("```python", "```");
+or a `Balanced` opener, which stops on the brace that closes it: `Balanced("\\boxed{")`
+stops after the `}` of `\boxed{\frac{1}{2}}`, not after the first `}`.
 Each pattern becomes a small automaton over *tokens*: its state is (phase, number of
 characters of the phase string matched so far, KMP style), and a transition table
 [Z, V] (Z states) built on the host from every token's text says where a token takes each
@@ -11,13 +13,37 @@ on-device check is one table lookup per pattern and step.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 STOP = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Balanced:
+    """Stops on the `close` character that balances the last character of `opener` (an
+    `open`): after `opener` the automaton counts open minus close characters and fires
+    when the count returns to 0. Depths above `max_depth` are not counted (the count
+    stays at max_depth), so a nesting deeper than that stops early; math answers nest
+    a few levels."""
+    opener: str
+    open: str = "{"
+    close: str = "}"
+    max_depth: int = 16
+
+    def __post_init__(self):
+        if not self.opener.endswith(self.open) or len(self.open) != 1 or len(self.close) != 1:
+            raise ValueError(f"Balanced({self.opener!r}): the opener must end with the single open "
+                             f"character {self.open!r}, and close must be one character")
+        if self.max_depth < 1:
+            raise ValueError(f"Balanced.max_depth={self.max_depth} must be >= 1")
+
+
+Pattern = Union[str, Sequence[str], Balanced]
 
 
 def token_texts(tokenizer) -> list[str]:
@@ -77,15 +103,66 @@ def _table(texts: tuple[str, ...], phases: tuple[str, ...]) -> np.ndarray:
     return table
 
 
-def stop_tables(tokenizer, patterns: Sequence[Sequence[str] | str]) -> np.ndarray:
+def _kmp_step(target: str, q: int, ch: str) -> int:
+    """Characters of `target` matched after feeding `ch` with q matched (q < len(target))."""
+    seen = target[:q] + ch
+    for k in range(min(len(seen), len(target)), 0, -1):
+        if seen.endswith(target[:k]):
+            return k
+    return 0
+
+
+def _balanced_step(p: Balanced, state: int, text: str, kmp: dict) -> int:
+    """Feeds `text` to the automaton of `p`: states 0..n-1 are characters of the opener
+    matched, n-1+d is depth d (1..max_depth); returns STOP when the depth reaches 0.
+    `kmp` memoizes the opener's (q, char) -> q transitions."""
+    n = len(p.opener)
+    for ch in text:
+        if state < n:
+            nxt = kmp.get((state, ch))
+            if nxt is None:
+                nxt = kmp[(state, ch)] = _kmp_step(p.opener, state, ch)
+            state = nxt
+        else:
+            depth = state - n + 1 + (ch == p.open) - (ch == p.close)
+            if depth == 0:
+                return STOP
+            state = n - 1 + min(depth, p.max_depth)
+    return state
+
+
+@functools.lru_cache(maxsize=16)
+def _balanced_table(texts: tuple[str, ...], p: Balanced) -> np.ndarray:
+    n = len(p.opener)
+    n_states = n + p.max_depth
+    table = np.empty((n_states, len(texts)), np.int32)
+    opener_chars, braces = set(p.opener), {p.open, p.close}
+    kmp: dict = {}
+    for v, text in enumerate(texts):
+        chars = set(text)
+        for state in range(n_states):
+            if state < n and not chars & opener_chars:
+                table[state, v] = 0  # no character of the opener: the match restarts
+            elif state >= n and not chars & braces:
+                table[state, v] = state  # no brace: the depth stays
+            else:
+                table[state, v] = _balanced_step(p, state, text, kmp)
+    return table
+
+
+def stop_tables(tokenizer, patterns: Sequence[Pattern]) -> np.ndarray:
     """int32[A, Z, V] transition tables, one automaton per pattern (A), over the most
     states any pattern has (Z; padded states unused)."""
     texts = tuple(token_texts(tokenizer))
-    phases = [(p,) if isinstance(p, str) else tuple(p) for p in patterns]
-    for p in phases:
-        if not p or any(not s for s in p):
-            raise ValueError(f"stop pattern {p!r} is empty; give non-empty strings")
-    tables = [_table(texts, p) for p in phases]
+    tables = []
+    for pattern in patterns:
+        if isinstance(pattern, Balanced):
+            tables.append(_balanced_table(texts, pattern))
+            continue
+        phases = (pattern,) if isinstance(pattern, str) else tuple(pattern)
+        if not phases or any(not s for s in phases):
+            raise ValueError(f"stop pattern {phases!r} is empty; give non-empty strings")
+        tables.append(_table(texts, phases))
     if not tables:  # one automaton that never fires keeps the shapes non-empty
         return np.zeros((1, 1, len(texts)), np.int32)
     width = max(t.shape[0] for t in tables)
@@ -95,8 +172,20 @@ def stop_tables(tokenizer, patterns: Sequence[Sequence[str] | str]) -> np.ndarra
     return out
 
 
-def matches(text: str, pattern: Sequence[str] | str) -> bool:
-    """Host-side reference: does `text` contain the pattern's strings in order?"""
+def matches(text: str, pattern: Pattern) -> bool:
+    """Host-side reference: does `text` contain the pattern's strings in order (for
+    `Balanced`: the opener and then the close character that balances it, depths capped
+    at max_depth as in the automaton)?"""
+    if isinstance(pattern, Balanced):
+        start = text.find(pattern.opener)
+        if start < 0:
+            return False
+        depth = 1
+        for ch in text[start + len(pattern.opener):]:
+            depth = min(depth + (ch == pattern.open) - (ch == pattern.close), pattern.max_depth)
+            if depth == 0:
+                return True
+        return False
     pos = 0
     for s in (pattern,) if isinstance(pattern, str) else pattern:
         hit = text.find(s, pos)

@@ -16,12 +16,9 @@ What a deadline (`timeout_s`) fails depends on what the tool can tell apart:
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 from car_jax.rollout.protocols import INVALID, VOID, Action
-
-if TYPE_CHECKING:
-    from car_jax.rollout.episode import Trajectory
 
 Tool = Callable[[list[str]], list[str]]  # batched: one result text per request
 
@@ -91,8 +88,9 @@ def _call_rows(tool: RowTool, name: str, requests: list[str], timeout_s: float) 
 
 
 def run_tools(actions: dict[int, Action], tools: dict[str, Tool], timeout_s: float,
-               trajs: list[Trajectory]) -> dict[int, str]:
-    """Calls each tool once for all rows that asked for it; logs every call."""
+              trajs: list) -> dict[int, str]:
+    """Calls each tool once for all rows that asked for it; logs every call in the rows'
+    trajectories (`episode.Trajectory`: n_tool_calls, tool_log)."""
     results: dict[int, str] = {}
     for i, a in actions.items():
         if a.kind not in tools and a.kind not in (VOID, INVALID):

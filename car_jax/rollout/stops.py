@@ -67,42 +67,6 @@ def token_texts(tokenizer) -> list[str]:
     return [tokenizer.decode([i]) for i in range(size)]
 
 
-def _advance(text: str, phases: Sequence[str], phase: int, q: int) -> tuple[int, int] | None:
-    """Feeds `text` to the automaton in (phase, q); None when the pattern completes."""
-    while True:
-        target = phases[phase]
-        seen = target[:q] + text
-        hit = seen.find(target)
-        if hit < 0:
-            # longest suffix of `seen` that is a proper prefix of `target`
-            for k in range(min(len(target) - 1, len(seen)), -1, -1):
-                if k == 0 or seen.endswith(target[:k]):
-                    return phase, k
-        phase += 1
-        if phase == len(phases):
-            return None
-        text, q = seen[hit + len(target):], 0
-
-
-@functools.lru_cache(maxsize=16)
-def _table(texts: tuple[str, ...], phases: tuple[str, ...]) -> np.ndarray:
-    offsets = np.cumsum([0] + [len(p) for p in phases])
-    n_states = int(offsets[-1])
-    table = np.empty((n_states, len(texts)), np.int32)
-    char_sets = [set(t) for t in texts]
-    for phase, target in enumerate(phases):
-        chars = set(target)
-        for q in range(len(target)):
-            state = offsets[phase] + q
-            for v, text in enumerate(texts):
-                if q == 0 and not (chars & char_sets[v]):  # shares no character: stays put
-                    table[state, v] = state
-                    continue
-                nxt = _advance(text, phases, phase, q)
-                table[state, v] = STOP if nxt is None else offsets[nxt[0]] + nxt[1]
-    return table
-
-
 def _kmp_step(target: str, q: int, ch: str) -> int:
     """Characters of `target` matched after feeding `ch` with q matched (q < len(target))."""
     seen = target[:q] + ch
@@ -112,42 +76,64 @@ def _kmp_step(target: str, q: int, ch: str) -> int:
     return 0
 
 
-def _balanced_step(p: Balanced, state: int, text: str, kmp: dict) -> int:
-    """Feeds `text` to the automaton of `p`: states 0..n-1 are characters of the opener
-    matched, n-1+d is depth d (1..max_depth); returns STOP when the depth reaches 0.
-    `kmp` memoizes the opener's (q, char) -> q transitions."""
-    n = len(p.opener)
-    for ch in text:
-        if state < n:
-            nxt = kmp.get((state, ch))
-            if nxt is None:
-                nxt = kmp[(state, ch)] = _kmp_step(p.opener, state, ch)
-            state = nxt
-        else:
-            depth = state - n + 1 + (ch == p.open) - (ch == p.close)
-            if depth == 0:
-                return STOP
-            state = n - 1 + min(depth, p.max_depth)
-    return state
+def _char_step(pattern: tuple[str, ...] | Balanced, ch: str) -> np.ndarray:
+    """int32[Z + 1]: where the character `ch` takes each state of the pattern's automaton;
+    entry Z stands for STOP, which nothing leaves.
+
+    Strings in order: state offset(phase) + q, q characters of the phase's string matched
+    (KMP); completing a phase moves to the next one's q = 0, completing the last stops.
+    Balanced: states 0..n-1 are characters of the opener matched, n-1+d is depth d
+    (1..max_depth); depth 0 stops."""
+    if isinstance(pattern, Balanced):
+        n = len(pattern.opener)
+        out = np.empty(n + pattern.max_depth + 1, np.int32)
+        for q in range(n):
+            out[q] = _kmp_step(pattern.opener, q, ch)  # q = n (the opener's "{") is depth 1
+        for depth in range(1, pattern.max_depth + 1):
+            d = depth + (ch == pattern.open) - (ch == pattern.close)
+            out[n - 1 + depth] = len(out) - 1 if d == 0 else n - 1 + min(d, pattern.max_depth)
+    else:
+        out = np.empty(sum(len(t) for t in pattern) + 1, np.int32)
+        state = 0
+        for target in pattern:
+            for q in range(len(target)):
+                nxt = _kmp_step(target, q, ch)
+                out[state + q] = state + nxt  # nxt == len(target): the next phase's q = 0 (or STOP)
+            state += len(target)
+    out[-1] = len(out) - 1
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _char_codes(texts: tuple[str, ...]) -> tuple[str, np.ndarray]:
+    """(the distinct characters of the vocabulary, int32[V, W] each token's characters as
+    indices into them, -1 past the token's end; W the longest token)."""
+    alphabet = "".join(sorted(set("".join(texts))))
+    index = {c: i for i, c in enumerate(alphabet)}
+    codes = np.full((len(texts), max(1, max(map(len, texts)))), -1, np.int32)
+    for v, text in enumerate(texts):
+        codes[v, : len(text)] = [index[c] for c in text]
+    return alphabet, codes
 
 
 @functools.lru_cache(maxsize=16)
-def _balanced_table(texts: tuple[str, ...], p: Balanced) -> np.ndarray:
-    n = len(p.opener)
-    n_states = n + p.max_depth
-    table = np.empty((n_states, len(texts)), np.int32)
-    opener_chars, braces = set(p.opener), {p.open, p.close}
-    kmp: dict = {}
-    for v, text in enumerate(texts):
-        chars = set(text)
-        for state in range(n_states):
-            if state < n and not chars & opener_chars:
-                table[state, v] = 0  # no character of the opener: the match restarts
-            elif state >= n and not chars & braces:
-                table[state, v] = state  # no brace: the depth stays
-            else:
-                table[state, v] = _balanced_step(p, state, text, kmp)
-    return table
+def _table(texts: tuple[str, ...], pattern: tuple[str, ...] | Balanced) -> np.ndarray:
+    """int32[Z, V]: the state each token's text leads each state to (STOP: the pattern
+    completed inside the token). Every token and state advances at once, one character
+    position at a time, through a [characters, states] table."""
+    alphabet, codes = _char_codes(texts)
+    inert = _char_step(pattern, "\0")  # any character the pattern does not use
+    used = set("".join(pattern) if isinstance(pattern, tuple) else pattern.opener + pattern.close)
+    step = np.tile(inert, (len(alphabet), 1))  # [C, Z + 1]
+    for i, c in enumerate(alphabet):
+        if c in used:
+            step[i] = _char_step(pattern, c)
+    n_states = len(inert) - 1
+    state = np.tile(np.arange(n_states, dtype=np.int32), (len(texts), 1))  # [V, Z]
+    for j in range(codes.shape[1]):
+        rows = np.flatnonzero(codes[:, j] >= 0)
+        state[rows] = step[codes[rows, j][:, None], state[rows]]
+    return np.where(state == n_states, STOP, state).T.astype(np.int32)
 
 
 def stop_tables(tokenizer, patterns: Sequence[Pattern]) -> np.ndarray:
@@ -156,13 +142,11 @@ def stop_tables(tokenizer, patterns: Sequence[Pattern]) -> np.ndarray:
     texts = tuple(token_texts(tokenizer))
     tables = []
     for pattern in patterns:
-        if isinstance(pattern, Balanced):
-            tables.append(_balanced_table(texts, pattern))
-            continue
-        phases = (pattern,) if isinstance(pattern, str) else tuple(pattern)
-        if not phases or any(not s for s in phases):
-            raise ValueError(f"stop pattern {phases!r} is empty; give non-empty strings")
-        tables.append(_table(texts, phases))
+        if not isinstance(pattern, Balanced):
+            pattern = (pattern,) if isinstance(pattern, str) else tuple(pattern)
+            if not pattern or any(not s for s in pattern):
+                raise ValueError(f"stop pattern {pattern!r} is empty; give non-empty strings")
+        tables.append(_table(texts, pattern))
     if not tables:  # one automaton that never fires keeps the shapes non-empty
         return np.zeros((1, 1, len(texts)), np.int32)
     width = max(t.shape[0] for t in tables)

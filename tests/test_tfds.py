@@ -11,6 +11,8 @@ import pytest
 from car_jax.calibration import parsing
 from car_jax.data import LAYOUTS, DatasetError, load_dataset
 from car_jax.data import tfds_source
+from car_jax.eval.config import EvalDataConfig
+from car_jax.eval.job import data_label
 from car_jax.data.tfds_source import parse_name
 
 # rows of the toy dataset's configs; "aime" mimics AIME 2024 (integer answers, ids)
@@ -147,3 +149,12 @@ def _import_time_imports(tree: ast.Module) -> list[str]:
             elif not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 todo.append(child)
     return names
+
+
+def test_eval_names_its_default_folder_safely():
+    """`car-jax eval data.path=tfds:...` names its output folder without colons or slashes."""
+    cases = {"tfds:squad/v1:validation": ("squad-v1", "validation"), "tfds:mnist": ("mnist", None),
+             "tfds:m/aime:1.0.0:test[:10]": ("m-aime", "test-10")}
+    for path, expected in cases.items():
+        assert data_label(EvalDataConfig(path=path)) == expected
+    assert data_label(EvalDataConfig(path="tfds:squad/v1:validation", split="train")) == ("squad-v1", "train")

@@ -32,7 +32,7 @@ class EvalModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalDataConfig:
-    path: str = "world"  # "world" (built-in), a .parquet / .jsonl / .csv file, or a folder with split
+    path: str = "world"  # "world" (built-in), a .parquet / .jsonl / .json / .csv file, a folder with split, or tfds:NAME[/CONFIG][:SPLIT]
     split: str | None = None  # world: dev (default) or train; a folder: the file stem
     limit: int | None = None  # the first N examples only
 

@@ -2,6 +2,7 @@
 `runner.evaluate`, close the tools. `car-jax eval` and `car-jax run` both call `run_eval`."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import car_jax
@@ -32,6 +33,11 @@ def load_eval_model(cfg: EvalModelConfig):
 
 def data_label(cfg: EvalDataConfig) -> tuple[str, str | None]:
     """(dataset name, split) as the summary and the default output folder name them."""
+    if cfg.path.startswith("tfds:"):  # tfds:NAME[/CONFIG][:VERSION][:SPLIT] -> folder-safe NAME-CONFIG, SPLIT
+        safe = lambda x: re.sub(r"[^A-Za-z0-9._-]+", "-", x).strip("-")  # noqa: E731
+        name, _, rest = cfg.path[len("tfds:"):].partition(":")
+        rest = re.sub(r"^\d+\.\d+\.\d+:?", "", rest)  # drop a version
+        return safe(name), cfg.split or (safe(rest) or None)
     name = cfg.path if cfg.path == "world" else Path(cfg.path).stem
     return name, cfg.split or ("dev" if cfg.path == "world" else None)
 

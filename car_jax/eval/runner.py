@@ -248,7 +248,8 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
         raise ValueError(f"mode {mode!r} needs a {spec.tool!r} tool in tools=, got {sorted(tools)}")
     if mode == "tir" and (bad := [e.id for e in examples if e.task != "math"]):
         raise ValueError(f"mode 'tir' scores math answers, but {len(bad)} examples are QA (e.g. {bad[0]!r}); "
-                         "use a MATH-500 style JSONL (problem, answer) or mode 'search'/'direct'")
+                         "use a math dataset (MATH-500: problem, answer; AIME 2024: Problem, Answer) "
+                         "or mode 'search'/'direct'")
     config = dataclasses.replace(episode_config, max_turns=0) if spec.single_turn else episode_config
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@ a module listed here exposes `register(subparsers)` which adds its parsers and s
 `func(args) -> int` on them.
 
 A bad config (`car_jax.config.ConfigError`: an unknown key, a wrong type, a value out of
-range, a missing --config file, more mesh devices than there are) ends any command with
+range, a missing --config file, more mesh devices than there are, an incomplete
+multi-process environment: `car_jax/cli/distributed.py`) ends any command with
 one line on stderr, `car-jax train: error: rl.steps: -3 must be >= 1 ...`, and exit
 status 2, as argparse does for bad arguments. Configs are checked before any model loads."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib
 import os
 import sys
 
+from car_jax.cli.distributed import maybe_init_distributed
 from car_jax.config import ConfigError, load_config
 
 # modules that contribute sub-commands, imported only when the CLI starts
@@ -23,16 +25,6 @@ COMMAND_MODULES = (
     "car_jax.cli.train",  # train
     "car_jax.cli.eval",  # eval
 )
-
-
-def maybe_init_distributed() -> None:
-    """Multi-host runs (a TPU pod slice, several GPU hosts) must connect their processes
-    before any device is used: done when JAX_COORDINATOR_ADDRESS is set (explicit
-    cluster) or CAR_JAX_DISTRIBUTED=1 (let JAX detect a TPU slice)."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("CAR_JAX_DISTRIBUTED") == "1":
-        import jax
-        if not jax.distributed.is_initialized():
-            jax.distributed.initialize()
 
 
 def enable_compilation_cache(min_seconds: float = 1.0) -> str | None:
@@ -82,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    maybe_init_distributed()
-    enable_compilation_cache()
     try:
+        maybe_init_distributed()  # several processes: joined before anything touches a device
+        enable_compilation_cache()
         return int(args.func(args) or 0)
     except ConfigError as err:
         message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())

@@ -1,5 +1,5 @@
-# Settings shared by the tpu_scripts (sourced by each of them, not run).
-# Every value can be overridden from the environment, e.g.
+# Settings and helpers shared by the tpu_scripts (sourced by each of them, not run).
+# Every setting can be overridden from the environment, e.g.
 #   PROJECT=my-project TPU_NAME=car-32b ACCELERATOR_TYPE=v5p-128 tpu_scripts/create.sh
 # shellcheck shell=bash
 PROJECT="${PROJECT:-my-gcp-project}"            # GCP project id
@@ -10,10 +10,54 @@ RUNTIME_VERSION="${RUNTIME_VERSION:-v2-alpha-tpuv5}"  # v5p software image (`gcl
 REPO_URL="${REPO_URL:-}"                        # git URL to clone on the workers; empty: copy this checkout
 REMOTE_DIR="${REMOTE_DIR:-car_jax}"             # checkout folder in each worker's home
 RETRIEVER_PORT="${RETRIEVER_PORT:-8000}"        # Search-R1 /retrieve server on worker 0
+DRY_RUN="${DRY_RUN:-0}"                         # 1 (or --dry-run): print the commands, run none
+
+# The script's header comment (its usage and settings), without the '#'s and directives.
+usage() {
+  awk 'NR == 1 || /^# shellcheck / { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
+}
+
+# Handles one leading option shared by every script; returns 1 for anything else:
+#   while [[ $# -gt 0 ]] && common_option "$1"; do shift; done
+common_option() {
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --dry-run) DRY_RUN=1 ;;
+    *) return 1 ;;
+  esac
+}
+
+# One word quoted so that a shell reads it back unchanged: bare when it is plain, else in
+# single quotes (a --flag=value word: its value); a word with a newline as $'...' so that
+# each command stays on one line.
+quote_word() {
+  local word="$1" escaped="'\\''"
+  if [[ "$word" =~ ^(--[A-Za-z0-9-]+=)(.+)$ ]]; then
+    printf '%s' "${BASH_REMATCH[1]}"
+    quote_word "${BASH_REMATCH[2]}"
+  elif [[ -n "$word" && "$word" != *[!A-Za-z0-9_@%+=:,./-]* ]]; then
+    printf '%s' "$word"
+  elif [[ "$word" == *$'\n'* ]]; then
+    printf '%q' "$word"
+  else
+    printf "'%s'" "${word//\'/$escaped}"
+  fi
+}
+
+# Runs a command; with DRY_RUN=1 prints it instead, quoted, on one line of stdout.
+run() {
+  if [[ "$DRY_RUN" == 1 ]]; then
+    local word line=""
+    for word in "$@"; do line+=" $(quote_word "$word")"; done
+    printf '%s\n' "${line# }"
+  else
+    "$@"
+  fi
+}
 
 # gcloud ssh to WORKER ("all", or an index) of the slice, running COMMAND there.
 tpu_ssh() {
   local worker="$1"; shift
-  gcloud compute tpus tpu-vm ssh "$TPU_NAME" --project="$PROJECT" --zone="$ZONE" \
+  run gcloud compute tpus tpu-vm ssh "$TPU_NAME" --project="$PROJECT" --zone="$ZONE" \
     --worker="$worker" --command="$*"
 }

@@ -29,7 +29,7 @@ from car_jax.rl.steps import BATCH_KEYS, batch_shardings, make_logprob_fn
 from car_jax.rollout.episode import Trajectory
 from car_jax.train.config import TrainConfig
 
-ROW_FIELDS = ("prompt_of", "tokens", "valid", "mask", "old_logp", "correct", "q", "format_ok", "group")
+ROW_FIELDS = ("prompt_of", "tokens", "valid", "mask", "old_logp", "correct", "q", "format_ok", "group", "keep")
 
 
 def make_host(n=8, group=2, seed=0, keep=None):
@@ -58,6 +58,7 @@ def test_host_batch_holds_the_trajectories():
         assert host.valid[i, :r].all() and not host.valid[i, r:].any()
         np.testing.assert_array_equal(host.old_logp[i, :r], t.logprobs)
         np.testing.assert_array_equal(host.mask[i, :r], t.loss_mask * keep[i])  # a dropped row leaves the loss
+    np.testing.assert_array_equal(host.keep, keep)  # ... and its group's statistics (`make_scorer`)
     np.testing.assert_array_equal(host.group, np.repeat(np.arange(4), 2))
     for name in HostBatch.__dataclass_fields__:
         assert isinstance(getattr(host, name), np.ndarray), name
@@ -85,6 +86,7 @@ def _check_values(host: HostBatch, batch: TrainBatch):
     b, r = host.tokens.shape
     assert batch.ref_logp.shape == (b, r) and batch.advantages.shape == (b,)
     assert not np.asarray(batch.ref_logp).any() and not np.asarray(batch.advantages).any()
+    np.testing.assert_array_equal(np.asarray(batch.sampler_logp), host.old_logp)  # the sampler's, kept
 
 
 @pytest.mark.parametrize("fsdp,tp", [(8, 1), (4, 2)])
@@ -93,7 +95,7 @@ def test_to_device_on_the_mesh_keeps_values_and_splits_rows(fsdp, tp):
     mesh = car_jax.make_mesh(fsdp=fsdp, tp=tp)
     batch = to_device(host, mesh)
     _check_values(host, batch)
-    for name in (*ROW_FIELDS, "ref_logp", "advantages"):
+    for name in (*ROW_FIELDS, "sampler_logp", "ref_logp", "advantages"):
         x = getattr(batch, name)
         assert x.sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), x.ndim), name
         assert {s.data.shape[0] for s in x.addressable_shards} == {8 // fsdp}, name  # rows really split
@@ -118,7 +120,8 @@ def test_to_device_refuses_rows_that_do_not_split():
 
 def _numpy_micro_batches(host: HostBatch, plan, extra: dict):
     """The train step's input computed on the host from the plan: the reference layout."""
-    arrays = {**{k: getattr(host, k) for k in ("tokens", "valid", "mask", "old_logp")}, **extra}
+    arrays = {**{k: getattr(host, k) for k in ("tokens", "valid", "mask", "old_logp")},
+              "sampler_logp": host.old_logp, **extra}
     out = {k: v[plan.rows] for k, v in arrays.items()}
     spare = (plan.pick < 0)[..., None]
     out["prompt"] = np.where(spare, 0, host.prompts[np.maximum(plan.pick, 0)])
@@ -133,6 +136,7 @@ def test_micro_batches_are_gathered_on_the_device(on_mesh):
     mesh = car_jax.make_mesh(fsdp=4, tp=2) if on_mesh else None
     rng = np.random.default_rng(1)
     extra = {"ref_logp": rng.normal(size=host.tokens.shape).astype(np.float32),
+             "old_logp": rng.normal(size=host.tokens.shape).astype(np.float32),  # as if recomputed
              "advantages": rng.normal(size=16).astype(np.float32)}
     batch = to_device(host, mesh).replace(**{k: jnp.asarray(v) for k, v in extra.items()})
     plan = micro_plan(host.prompt_of, rng.permutation(16)[:8], 4, share=not on_mesh)
@@ -166,6 +170,26 @@ def test_scorer_computes_rewards_and_advantages_on_the_device(std_norm):
     # the advantages stay on the device, split like the rows; the rest of the batch is untouched
     assert batch.advantages.sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 1)
     np.testing.assert_array_equal(np.asarray(batch.tokens), host.tokens)
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_scorer_leaves_dropped_rows_out_of_the_group_statistics(on_mesh):
+    """Hand-worked, binary reward (r = c, minus 0.5 without the format): group q0 keeps
+    rewards (1, 0, -0.5) and drops a 1 (a void trajectory): mean 1/6, sample std
+    sqrt(((5/6)^2 + (1/6)^2 + (2/3)^2) / 2) = sqrt(21) / 6; group q1 keeps one row of four,
+    a group of one (A = r, as verl's advantages of the batch without the dropped rows).
+    Dropped rows get advantage 0. Their rewards still come back (for the metrics)."""
+    keep = np.array([1, 1, 1, 0, 0, 1, 0, 0], bool)
+    trajs, _ = make_host()
+    inputs = RewardInputs(np.array([1, 0, 0, 1, 1, 1, 0, 1], bool), np.full(8, 0.5, np.float32),
+                          np.array([1, 1, 0, 1, 1, 1, 1, 1], bool))
+    host = host_batch(trajs, 0, keep=keep, inputs=inputs, groups=["q0"] * 4 + ["q1"] * 4)
+    mesh = car_jax.make_mesh(fsdp=4, tp=2) if on_mesh else None
+    batch, rewards = make_scorer(reward_fn(RewardConfig(kind="binary")), True, mesh)(to_device(host, mesh))
+    np.testing.assert_allclose(np.asarray(rewards), [1, 0, -0.5, 1, 1, 1, 0, 1])
+    s = np.sqrt(21) / 6
+    want = [(5 / 6) / s, (-1 / 6) / s, (-2 / 3) / s, 0, 0, 1 / (1 + 1e-6), 0, 0]
+    np.testing.assert_allclose(np.asarray(batch.advantages), want, rtol=1e-5, atol=1e-7)
 
 
 def test_reference_logprobs_stay_on_the_device_in_row_order():
@@ -206,3 +230,15 @@ def test_loss_temperature_is_not_a_config_key():
     cfg = load_config(TrainConfig, None, ["rollout.temperature=0.7"])
     assert cfg.rollout.sampler.temperature == 0.7 and cfg.rollout.logprob_temperature == 0.7
     assert dataclasses.replace(cfg.rollout, temperature=0.0).logprob_temperature == 1.0  # greedy: T = 1
+
+
+def test_tis_needs_recomputed_old_logprobs():
+    """rl.loss.tis_cap compares the trainer's old log-probs with the sampler's: a config
+    error names both keys when they are not recomputed; a cap below 1 is refused."""
+    with pytest.raises(ConfigError, match=r"rl\.loss\.tis_cap: 2\.0 needs rl\.recompute_old_logp=true"):
+        load_config(TrainConfig, None, ["rl.loss.tis_cap=2.0"])
+    with pytest.raises(ConfigError, match=r"rl\.loss\.tis_cap: 0\.5 must be >= 1"):
+        load_config(TrainConfig, None, ["rl.loss.tis_cap=0.5", "rl.recompute_old_logp=true"])
+    cfg = load_config(TrainConfig, None, ["rl.loss.tis_cap=2", "rl.recompute_old_logp=true"])
+    assert cfg.rl.loss.tis_cap == 2.0 and load_config(TrainConfig, None, []).rl.loss.tis_cap is None
+    assert "horizon" not in dump_config(TrainConfig())["rl"]["loss"]  # set from the episode config only

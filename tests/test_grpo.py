@@ -8,10 +8,14 @@ from car_jax.rl import grpo
 RNG = np.random.default_rng(0)
 
 
-def np_advantages(r, groups, std_norm=True, eps=1e-6):
-    out = np.empty(len(r))
+def np_advantages(r, groups, std_norm=True, eps=1e-6, valid=None):
+    """verl's GRPO advantages of the valid rows, as if the others were not in the batch (0 there)."""
+    valid = np.ones(len(r), bool) if valid is None else valid
+    out = np.zeros(len(r))
     for g in set(groups):
-        idx = [i for i, x in enumerate(groups) if x == g]
+        idx = [i for i, x in enumerate(groups) if x == g and valid[i]]
+        if not idx:
+            continue
         vals = np.array([r[i] for i in idx], np.float64)
         if len(idx) == 1:
             mean, std = 0.0, 1.0
@@ -39,6 +43,38 @@ def test_advantages_hand_worked():
     assert (grpo.group_advantages(np.array([0.5, 0.5]), np.array([1, 1])) == 0).all()
 
 
+def test_dropped_rows_leave_the_group_statistics_hand_worked():
+    """Rows with valid False (void TIR trajectories) get advantage 0 and are not in their
+    group's mean and std: group 0 is (1, 0, 0) plus a dropped 5.0, whose advantages are the
+    hand-worked ones above; group 1 keeps one row of four, a group of one (A = r, as verl's
+    advantages of the batch without the dropped rows); group 2 keeps none."""
+    r = np.array([1.0, 0, 0, 5.0, 2.0, -3.0, 0.7, 9.0, 1.0, 2.0])
+    groups = np.array([0, 0, 0, 0, 1, 1, 1, 1, 2, 2])
+    valid = np.array([1, 1, 1, 0, 0, 0, 1, 0, 0, 0], bool)
+    a = np.asarray(grpo.group_advantages(r, groups, valid=valid))
+    s = np.sqrt(1 / 3)  # sample std of (1, 0, 0)
+    np.testing.assert_allclose(a, [(2 / 3) / s, (-1 / 3) / s, (-1 / 3) / s, 0, 0, 0, 0.7 / (1 + 1e-6), 0, 0, 0],
+                               rtol=1e-5, atol=1e-7)
+    dr = np.asarray(grpo.group_advantages(r, groups, std_norm=False, valid=valid))  # Dr.GRPO: r - mean
+    np.testing.assert_allclose(dr, [2 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0.7, 0, 0, 0], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("std_norm", [True, False])
+def test_advantages_with_dropped_rows_match_numpy(std_norm):
+    r = RNG.normal(size=40)
+    groups = [f"q{i % 6}" for i in range(40)]
+    valid = RNG.uniform(size=40) < 0.6
+    valid[[i for i in range(40) if groups[i] == "q5"]] = False  # a group with no valid row
+    valid[[i for i in range(40) if groups[i] == "q4"][1:]] = False  # a group with one
+    ours = grpo.group_advantages(r, np.array(groups, object), std_norm=std_norm, valid=valid)
+    want = np_advantages(r, groups, std_norm, valid=valid)
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6)
+    assert (np.asarray(ours)[~valid] == 0).all() and np.abs(want[valid]).min() > 0
+    # the same numbers as the kept rows scored on their own
+    kept = grpo.group_advantages(r[valid], np.array(groups, object)[valid], std_norm=std_norm)
+    np.testing.assert_allclose(np.asarray(ours)[valid], kept, rtol=1e-6, atol=1e-7)
+
+
 def np_agg(values, mask, mode, horizon):
     if mode == "token-mean":
         return (values * mask).sum() / mask.sum()
@@ -57,7 +93,8 @@ def np_kl(logp, ref, kind):
     return np.clip(np.exp(kl) - kl - 1, -10, 10)
 
 
-def np_loss(logp, old, ref, adv, ent, mask, clip_low, clip_high, dual, kl_coef, kl_type, ent_coef, mode):
+def np_loss(logp, old, ref, adv, ent, mask, clip_low, clip_high, dual, kl_coef, kl_type, ent_coef, mode, h,
+            sampler=None, tis_cap=None):
     ratio = np.exp(np.clip(logp - old, -20, 20))
     a = adv[:, None]
     l1 = -a * ratio
@@ -65,7 +102,8 @@ def np_loss(logp, old, ref, adv, ent, mask, clip_low, clip_high, dual, kl_coef, 
     lc = np.maximum(l1, l2)
     if dual is not None:
         lc = np.where(a < 0, np.minimum(-a * dual, lc), lc)
-    h = mask.shape[1]
+    if tis_cap is not None:  # verl: pg_losses * min(exp(old - rollout), cap), after the dual clip
+        lc = lc * np.minimum(np.exp(old - sampler), tis_cap)
     total = np_agg(lc, mask, mode, h) - ent_coef * np_agg(ent, mask, mode, h)
     if kl_coef:
         total += kl_coef * np_agg(np_kl(logp, ref, kl_type), mask, mode, h)
@@ -74,23 +112,29 @@ def np_loss(logp, old, ref, adv, ent, mask, clip_low, clip_high, dual, kl_coef, 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("kl_type", ["k1", "k2", "low_var_kl"])
-@pytest.mark.parametrize("dual", [None, 3.0])
-def test_loss_matches_numpy(mode, kl_type, dual):
-    b, t = 6, 9
+@pytest.mark.parametrize("dual,tis_cap", [(None, None), (3.0, None), (None, 1.5), (3.0, 1.2)])
+def test_loss_matches_numpy(mode, kl_type, dual, tis_cap):
+    b, t, horizon = 6, 9, 23.0  # Dr.GRPO's horizon: a constant, not the width t
     logp = RNG.normal(-2, 1, size=(b, t))
     old = logp + RNG.normal(0, 0.3, size=(b, t))  # ratios on both sides of the clip range
+    sampler = old + RNG.normal(0, 0.5, size=(b, t))  # TIS weights on both sides of the cap
     ref = logp + RNG.normal(0, 0.5, size=(b, t))
     ent = RNG.uniform(0, 3, size=(b, t))
     adv = RNG.normal(size=b)
     mask = (RNG.uniform(size=(b, t)) < 0.7).astype(np.float64)
     mask[2] = 0  # a sequence with no sampled token
     cfg = grpo.LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=dual, kl_coef=0.05, kl_type=kl_type,
-                          entropy_coef=0.01, agg=mode)
+                          entropy_coef=0.01, agg=mode, tis_cap=tis_cap)
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    loss, metrics = grpo.grpo_loss(f(logp), f(ent), f(old), f(ref), f(adv), f(mask), cfg, grpo.norm_of(f(mask)))
-    expected = np_loss(logp, old, ref, adv, ent, mask, 0.2, 0.28, dual, 0.05, kl_type, 0.01, mode)
+    loss, metrics = grpo.grpo_loss(f(logp), f(ent), f(old), f(ref), f(adv), f(mask), cfg,
+                                   grpo.norm_of(f(mask), horizon), f(sampler))
+    expected = np_loss(logp, old, ref, adv, ent, mask, 0.2, 0.28, dual, 0.05, kl_type, 0.01, mode, horizon,
+                       sampler, tis_cap)
     assert abs(float(loss) - expected) <= 1e-6 * max(1, abs(expected))
-    assert abs(float(metrics["kl"]) - np_agg(np_kl(logp, ref, kl_type), mask, mode, t)) <= 1e-6
+    assert abs(float(metrics["kl"]) - np_agg(np_kl(logp, ref, kl_type), mask, mode, horizon)) <= 1e-6
+    if tis_cap is not None:
+        w = np.exp(old - sampler)[mask > 0]
+        assert (w > tis_cap).any() and (w < tis_cap).any()  # the cap binds at some tokens only
 
 
 def test_hand_worked_clipping():
@@ -108,6 +152,37 @@ def test_hand_worked_clipping():
     assert float(loss) == pytest.approx(3.0) and float(m["pg_clipfrac_lower"]) == 1.0
 
 
+def test_tis_hand_worked():
+    """One token, A = +1, ratio 1 (no clip), entropy 2 with coef 0.1, KL coef 0.5: the TIS
+    weight min(pi_old / pi_sampler, cap) multiplies the policy term only (verl's
+    `pg_losses * tis_imp_ratio`); the clip fraction and ppo_kl do not see it."""
+    cfg = grpo.LossConfig(kl_coef=0.5, kl_type="k1", entropy_coef=0.1, tis_cap=2.0)
+    norm = grpo.norm_of(jnp.ones((1, 1)))
+    one = lambda x: jnp.array([[x]], jnp.float32)  # noqa: E731
+    kl = 0.5 * (-1.0 - -1.3)  # k1 = logp - ref
+    for sampler, weight in [(-1.0 - np.log(3.0), 2.0), (-1.0 - np.log(1.5), 1.5), (-1.0 + np.log(2.0), 0.5)]:
+        loss, m = grpo.grpo_loss(one(-1.0), one(2.0), one(-1.0), one(-1.3), jnp.array([1.0]), one(1.0), cfg, norm,
+                                 one(sampler))
+        assert float(m["pg_loss"]) == pytest.approx(-weight, rel=1e-6)
+        assert float(loss) == pytest.approx(-weight - 0.1 * 2.0 + kl, rel=1e-6)
+        assert float(m["pg_clipfrac"]) == 0.0 and float(m["ppo_kl"]) == 0.0
+    off = grpo.LossConfig(kl_coef=0.5, kl_type="k1", entropy_coef=0.1)  # TIS off: the sampler is not read
+    loss, _ = grpo.grpo_loss(one(-1.0), one(2.0), one(-1.0), one(-1.3), jnp.array([1.0]), one(1.0), off, norm,
+                             one(-9.0))
+    assert float(loss) == pytest.approx(-1.0 - 0.2 + kl, rel=1e-6)
+
+
+def test_sum_norm_needs_a_horizon():
+    """Dr.GRPO divides by a constant horizon: without one it refuses, rather than divide by
+    the batch's padded width."""
+    mask = jnp.ones((2, 5), jnp.float32)
+    with pytest.raises(ValueError, match="max_response_length"):
+        grpo.aggregate(mask, mask, "seq-mean-token-sum-norm", grpo.norm_of(mask))
+    with pytest.raises(ValueError, match="max_response_length"):
+        grpo.token_weights(mask, "seq-mean-token-sum-norm", grpo.norm_of(mask))
+    assert float(grpo.aggregate(mask, mask, "seq-mean-token-sum-norm", grpo.norm_of(mask, 40))) == 10 / 40
+
+
 def test_low_var_kl_hand_worked():
     # logp = -1, ref = -2: kl = ref - logp = -1; exp(-1) + 1 - 1 = 0.36788
     assert float(grpo.kl_penalty(jnp.array(-1.0), jnp.array(-2.0), "low_var_kl")) == pytest.approx(np.exp(-1), rel=1e-6)
@@ -120,3 +195,10 @@ def test_bad_settings():
         grpo.LossConfig(dual_clip=0.5)
     with pytest.raises(ValueError, match="kl_type='k9'"):
         grpo.kl_penalty(jnp.zeros(1), jnp.zeros(1), "k9")
+    with pytest.raises(ValueError, match="tis_cap=0.5"):
+        grpo.LossConfig(tis_cap=0.5)
+    with pytest.raises(ValueError, match="horizon=0"):
+        grpo.LossConfig(horizon=0)
+    x = jnp.zeros((1, 1))
+    with pytest.raises(ValueError, match="tis_cap=2.0 .*sampler_logp"):
+        grpo.grpo_loss(x, x, x, x, jnp.zeros(1), x + 1, grpo.LossConfig(tis_cap=2.0), grpo.norm_of(x))

@@ -1,5 +1,8 @@
 """The GRPO loss fused into the vocabulary projection against autodiff of the plain
-expression: full logits, log_softmax, `grpo.grpo_loss`, no chunks, no custom gradient."""
+expression: full logits, log_softmax, `grpo.grpo_loss`, no chunks, no custom gradient
+(with the same Norm, Dr.GRPO's horizon and the TIS weights)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,18 +27,19 @@ def inputs(dtype, seed=0):
     return h, w, y, old, ref, adv, mask
 
 
-def plain_loss(h, w, y, old, ref, adv, mask, cfg, norm):
+def plain_loss(h, w, y, old, ref, adv, mask, cfg, norm, sampler=None):
     logits = jnp.einsum("bnd,dv->bnv", h.astype(jnp.float32), w.astype(jnp.float32)) / cfg.temperature
     full = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(full, y[..., None], axis=-1)[..., 0]
     ent = -(jnp.exp(full) * full).sum(-1)
-    return grpo.grpo_loss(logp, ent, old, ref, adv, mask, cfg, norm)[0], (logp, ent)
+    return grpo.grpo_loss(logp, ent, old, ref, adv, mask, cfg, norm, sampler)[0], (logp, ent)
 
 
 CONFIGS = [grpo.LossConfig(agg="token-mean", kl_coef=0.05, kl_type="low_var_kl", entropy_coef=0.01),
-           grpo.LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, kl_type="k1", dual_clip=3.0, temperature=0.7),
+           grpo.LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, kl_type="k1", dual_clip=3.0, temperature=0.7,
+                           tis_cap=1.3),
            grpo.LossConfig(agg="seq-mean-token-sum-norm", kl_coef=0.02, kl_type="k2", clip_high=0.28,
-                           entropy_coef=0.03),
+                           entropy_coef=0.03, tis_cap=2.0, horizon=40.0),
            grpo.LossConfig(agg="token-mean", kl_coef=0.0, kl_type="abs", dual_clip=2.0, temperature=1.3)]
 
 
@@ -44,20 +48,24 @@ POLICIES = pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.n
 
 @POLICIES
 @pytest.mark.parametrize("chunk", [1, 3, 128])  # one position a chunk; 3 chunks with padding; one chunk
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.agg}-{c.kl_type}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.agg}-{c.kl_type}-tis{c.tis_cap}")
 def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk, policy):
     h, w, y, old, ref, adv, mask = inputs(jnp.float32)
+    norm = grpo.norm_of(mask, cfg.horizon)
     # old log-probs near the policy's, so some ratios fall inside the clip range and some outside
-    _, (logp0, _) = plain_loss(h, w, y, old, ref, adv, mask, cfg, grpo.norm_of(mask))
-    old = logp0 + jnp.asarray(np.random.default_rng(1).normal(0, 0.3, size=(B, N)), jnp.float32)
-    norm = grpo.norm_of(mask)
+    _, (logp0, _) = plain_loss(h, w, y, old, ref, adv, mask, cfg, norm, old)
+    noise = np.random.default_rng(1).normal(0, 0.3, size=(2, B, N))
+    old = logp0 + jnp.asarray(noise[0], jnp.float32)
+    # and the sampler's log-probs near those, so some TIS weights are capped and some not
+    sampler = old + jnp.asarray(2 * noise[1], jnp.float32)
 
     def ours(h, w):
-        loss, logp, ent = grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, chunk=chunk, policy=policy)
+        loss, logp, ent = grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, chunk=chunk, policy=policy,
+                                         sampler_logp=sampler)
         return loss, (logp, ent)
 
     def plain(h, w):
-        return plain_loss(h, w, y, old, ref, adv, mask, cfg, norm)
+        return plain_loss(h, w, y, old, ref, adv, mask, cfg, norm, sampler)
 
     (l1, (lp1, e1)), g1 = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(h, w)
     (l2, (lp2, e2)), g2 = jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)(h, w)
@@ -72,6 +80,36 @@ def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk, policy):
     ratio = np.exp(np.asarray(lp2 - old))
     inside = (ratio > 1 - cfg.clip_low) & (ratio < 1 + cfg.clip_high)
     assert inside.any() and (~inside).any()
+    if cfg.tis_cap is not None:  # the TIS cap binds at some sampled tokens and not at others, and it matters
+        capped = (np.exp(np.asarray(old - sampler)) > cfg.tis_cap)[np.asarray(mask) > 0]
+        assert capped.any() and (~capped).any()
+        untruncated = plain_loss(h, w, y, old, ref, adv, mask, dataclasses.replace(cfg, tis_cap=None), norm)[0]
+        assert abs(float(untruncated) - float(l2)) > 1e-3
+
+
+def test_dr_grpo_loss_is_the_same_at_any_padded_width():
+    """One batch padded to widths 7 and 12 under seq-mean-token-sum-norm with a constant
+    horizon: the same fused loss and gradients (zero on the padding), and the hand-computed
+    value: with old = the policy's log-probs (ratio 1), no KL and no entropy term, each
+    sampled token contributes -A, so the loss is -sum_b A_b n_b / horizon."""
+    cfg = grpo.LossConfig(agg="seq-mean-token-sum-norm", kl_coef=0.0, horizon=40.0)
+    h, w, y, _, ref, adv, mask = inputs(jnp.float32, seed=3)
+    old = plain_loss(h, w, y, ref, ref, adv, mask, cfg, grpo.norm_of(mask, 40.0))[1][0]
+
+    def pad(x):
+        return jnp.pad(x, [(0, 0), (0, 5)] + [(0, 0)] * (x.ndim - 2))
+
+    def fused(h, w, y, old, mask):
+        return grpo_head_loss(h, w, y, old, None, adv, mask, cfg, grpo.norm_of(mask, cfg.horizon), chunk=4)[0]
+
+    grad = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))
+    l7, (gh7, gw7) = grad(h, w, y, old, mask)
+    l12, (gh12, gw12) = grad(pad(h), w, pad(y), pad(old), pad(mask))
+    want = -(np.asarray(adv, np.float64) * np.asarray(mask).sum(1)).sum() / 40.0
+    assert abs(float(l7) - want) <= 1e-6 * abs(want) and abs(float(l12) - want) <= 1e-6 * abs(want)
+    np.testing.assert_allclose(np.asarray(gw12), np.asarray(gw7), atol=1e-7)
+    np.testing.assert_allclose(np.asarray(gh12[:, :N]), np.asarray(gh7), atol=1e-7)
+    assert not np.asarray(gh12[:, N:]).any() and float(jnp.abs(gw7).max()) > 1e-3
 
 
 @POLICIES
@@ -103,6 +141,6 @@ def test_token_weights_reproduce_aggregate(mode):
     rng = np.random.default_rng(4)
     v = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
     mask = jnp.asarray(rng.uniform(size=(4, 6)) < 0.6, jnp.float32).at[2].set(0.0)  # one empty row
-    norm = grpo.norm_of(mask)
+    norm = grpo.norm_of(mask, 17.0)
     want = float(grpo.aggregate(v, mask, mode, norm))
     assert float((v * grpo.token_weights(mask, mode, norm)).sum()) == pytest.approx(want, rel=1e-6)

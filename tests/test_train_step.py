@@ -1,4 +1,6 @@
-"""The train step: chunked log-probs, exact micro-batch accumulation, sharded == unsharded."""
+"""The train step: chunked log-probs, exact micro-batch accumulation, sharded == unsharded,
+Dr.GRPO's constant horizon; and what `Trainer.update` feeds it: the recomputed old
+log-probs (rl.recompute_old_logp), their mismatch with the sampler's, TIS."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,6 +8,8 @@ import pytest
 
 import car_jax
 from car_jax import sharding as shd
+from car_jax.config import load_config
+from car_jax.models.api import Model
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN, XLA_CPU
@@ -26,7 +30,12 @@ from car_jax.rl.steps import (
     micro_logprobs,
     state_shardings,
 )
+from car_jax.rl.mismatch import mismatch_metrics
 from car_jax.rollout.episode import Trajectory
+from car_jax.train.config import TrainConfig
+from car_jax.train.log import Timer
+from car_jax.train.setup import Setup
+from car_jax.train.trainer import Trainer
 
 CFG = ModelConfig("qwen2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   mlp_dim=64, qkv_bias=True)
@@ -52,19 +61,22 @@ def make_trajs(n=8, group=2, seed=0):
     return trajs
 
 
-def make_device_batch(n=8, group=2, seed=0, mesh=None):
-    """(host batch, device batch) of make_trajs with random advantages and reference log-probs."""
+def make_device_batch(n=8, group=2, seed=0, mesh=None, sampler_gap=0.0):
+    """(host batch, device batch) of make_trajs with random advantages and reference log-probs;
+    with sampler_gap, sampler log-probs that differ from old_logp by N(0, sampler_gap)."""
     rng = np.random.default_rng(seed + 1)
     host = host_batch(make_trajs(n, group, seed), 0)
     adv = rng.normal(size=n).astype(np.float32)
     ref = np.where(host.valid, rng.normal(-4, 0.2, size=host.valid.shape), 0).astype(np.float32)
     batch = to_device(host, mesh)
-    return host, batch.replace(advantages=jnp.asarray(adv), ref_logp=jnp.asarray(ref))
+    sampler = host.old_logp + np.where(host.valid, rng.normal(0, sampler_gap, size=host.valid.shape), 0)
+    return host, batch.replace(advantages=jnp.asarray(adv), ref_logp=jnp.asarray(ref),
+                               sampler_logp=jnp.asarray(sampler, jnp.float32))
 
 
-def make_batch(n=8, micro=None, group=2, seed=0, share=True, mesh=None):
+def make_batch(n=8, micro=None, group=2, seed=0, share=True, mesh=None, sampler_gap=0.0):
     """A train-step batch of n rows in micro-batches of `micro` rows (default: one)."""
-    host, batch = make_device_batch(n, group, seed, mesh)
+    host, batch = make_device_batch(n, group, seed, mesh, sampler_gap)
     return micro_batches(batch, micro_plan(host.prompt_of, np.arange(n), micro or n, share), mesh)
 
 
@@ -212,10 +224,15 @@ def test_head_gradient_equals_autodiff_of_log_softmax(dtype):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=rel * scale)
 
 
+def accumulation_cfg(agg):
+    """The loss of the accumulation tests (one config each, so the width-16 step compiles once)."""
+    return grpo.LossConfig(agg=agg, kl_coef=0.01, entropy_coef=0.01, dual_clip=3.0, horizon=300.0)
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batch_accumulation_is_exact(tiny, agg):
     module, params = tiny
-    cfg = grpo.LossConfig(agg=agg, kl_coef=0.01, entropy_coef=0.01, dual_clip=3.0)
+    cfg = accumulation_cfg(agg)
     fn = jax.jit(grads_and_metrics, static_argnums=(0, 1))
     g1, m1, l1 = fn(module, cfg, params, make_batch(micro=8))
     g4, m4, l4 = fn(module, cfg, params, make_batch(micro=2))
@@ -228,20 +245,52 @@ def test_micro_batch_accumulation_is_exact(tiny, agg):
     assert max(jax.tree.leaves(jax.tree.map(lambda a: float(jnp.abs(a).max()), g1))) > 1e-4
 
 
+def test_dr_grpo_horizon_is_the_configured_constant(tiny):
+    """seq-mean-token-sum-norm divides by LossConfig.horizon (the builder's, from the episode
+    config), not by the batch's padded width (16 here): with old_logp = the policy's own
+    log-probs (ratio 1, no clip) each sampled token's policy term is -A, so pg_loss is the
+    hand-computed -sum_b A_b n_b / horizon (n_b: row b's sampled tokens). The same loss at
+    any padded width: `test_head_loss`."""
+    module, params = tiny
+    cfg = accumulation_cfg("seq-mean-token-sum-norm")  # the accumulation test's: compiled once
+    host, batch = make_device_batch()
+    assert batch.tokens.shape[1] == 16 != cfg.horizon
+    old = chunked_logprobs(make_logprob_fn(module, 1.0), params, batch, micro_plan(host.prompt_of, np.arange(8), 2))
+    plan = micro_plan(host.prompt_of, np.arange(8), 8)
+    _, m, _ = jax.jit(grads_and_metrics, static_argnums=(0, 1))(module, cfg, params,
+                                                               micro_batches(batch.replace(old_logp=old), plan))
+    want = -(np.asarray(batch.advantages, np.float64) * host.mask.sum(1)).sum() / cfg.horizon
+    assert abs(float(m["pg_loss"]) - want) <= 1e-5 * abs(want) and abs(want) > 1e-3
+    # the builder needs the horizon: without it, Dr.GRPO's step is refused before it compiles
+    with pytest.raises(ValueError, match="max_response_length"):
+        make_train_step(module, make_optimizer(OptimConfig()), grpo.LossConfig(agg="seq-mean-token-sum-norm"),
+                        temperature=1.0)
+
+
+# the loss and optimizer of the sharded-step test, whose unsharded step `Trainer.update`'s test
+# reuses (one compile for both): KL and truncated importance sampling on
+STEP_LOSS = grpo.LossConfig(kl_coef=0.001, tis_cap=1.5)
+STEP_OPTIM = OptimConfig(lr=1e-2, warmup_steps=2, total_steps=10)
+
+
 def test_sharded_step_equals_unsharded(tiny):
     module, params = tiny
-    cfg = grpo.LossConfig(kl_coef=0.001)
-    opt = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=2, total_steps=10))
+    cfg = STEP_LOSS
+    opt = make_optimizer(STEP_OPTIM)
 
     plain = make_train_step(module, opt, cfg, temperature=1.0)  # one device: 2 micro-batches of 4 rows sharing 2 prompts
-    s1, m1 = plain(init_state(jax.tree.map(jnp.copy, params), opt), make_batch(micro=4))  # donates its state
+    batch = make_batch(micro=4, sampler_gap=0.5)  # TIS weights on both sides of the cap
+    w = np.exp(np.asarray(batch["old_logp"] - batch["sampler_logp"]))[np.asarray(batch["mask"]) > 0]
+    assert (w > cfg.tis_cap).any() and (w < cfg.tis_cap).any()
+    s1, m1 = plain(init_state(jax.tree.map(jnp.copy, params), opt), batch)  # donates its state
 
     mesh = car_jax.make_mesh(fsdp=4, tp=2)
     sharded_params = shd.shard_params(jax.tree.map(jnp.copy, params), mesh, "train")
     state = init_state(sharded_params, opt, mesh)
     state_sh = state_shardings(state)
     step = make_train_step(module, opt, cfg, mesh, state_sh, temperature=1.0)
-    s2, m2 = step(state, make_batch(micro=4, share=False, mesh=mesh))  # a prompt per row, rows over fsdp
+    # a prompt per row, rows over fsdp
+    s2, m2 = step(state, make_batch(micro=4, share=False, mesh=mesh, sampler_gap=0.5))
     for path, x in shd.flatten_params(s2.params).items():
         assert x.sharding.is_equivalent_to(shd.param_sharding(path, x.shape, mesh), x.ndim)
     # compared on the host: s1 lives on one device, s2 on the mesh
@@ -321,3 +370,110 @@ def test_layer_loop_equals_the_scan(tiny, dtype, remat):
     split = isinstance(module.policy.train_params(params, module.dtype)["layers"], tuple)
     assert split == (dtype == "bfloat16")
     assert PLAIN.train_params(params, module.dtype) is params
+
+
+def np_mismatch(trainer, sampler, mask, cap=None):
+    """The mismatch metrics written out over the sampled tokens: d = log pi_trainer - log pi_sampler."""
+    d = (trainer - sampler)[mask > 0].astype(np.float64)
+    out = {"mismatch/abs_dlogp": np.abs(d).mean(),
+           "mismatch/k3": (np.exp(d) - d - 1).mean(),  # KL(sampler || trainer), sampled from the sampler
+           "mismatch/max_ratio": np.exp(d).max()}
+    if cap is not None:
+        out["mismatch/tis_clipfrac"] = (np.exp(d) > cap).mean()
+    return out
+
+
+def test_mismatch_metrics_match_numpy():
+    rng = np.random.default_rng(0)
+    trainer = rng.normal(-3, 1, size=(5, 7)).astype(np.float32)
+    sampler = (trainer + rng.normal(0, 0.6, size=(5, 7))).astype(np.float32)
+    mask = (rng.uniform(size=(5, 7)) < 0.7).astype(np.float32)
+    mask[3] = 0  # a dropped row
+    sampler[3, 0] = trainer[3, 0] - 9.0  # a huge gap outside the loss is not counted
+    for cap in (None, 1.5):
+        got = mismatch_metrics(jnp.asarray(trainer), jnp.asarray(sampler), jnp.asarray(mask), cap)
+        want = np_mismatch(trainer, sampler, mask, cap)
+        assert set(got) == set(want)
+        for k, v in want.items():
+            assert float(got[k]) == pytest.approx(v, rel=1e-5), k
+    assert 0 < want["mismatch/tis_clipfrac"] < 1 and want["mismatch/max_ratio"] < np.exp(9.0)
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny):
+    """(host, device batch, the trainer's log-probs float32[8, R]) of 8 trajectories whose
+    recorded sampler log-probs are deliberately wrong: about -1, where the random model
+    gives about log(1/64)."""
+    module, params = tiny
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(1, 64, size=rng.integers(2, 6))) for _ in range(4)]
+    trajs = []
+    for i in range(8):
+        r = int(rng.integers(2, 9))
+        trajs.append(Trajectory(prompts[i // 2], rng.integers(0, 64, size=r), rng.normal(-1.0, 0.1, size=r),
+                                rng.uniform(size=r) < 0.85))
+    host = host_batch(trajs, 0)
+    batch = to_device(host).replace(advantages=jnp.asarray(rng.normal(size=8), jnp.float32))
+    trainer = np.asarray(chunked_logprobs(make_logprob_fn(module, 1.0), params, batch,
+                                          micro_plan(host.prompt_of, np.arange(8), 4)))
+    return host, batch, trainer
+
+
+def run_update(tiny, recorded, overrides, train_step=None):
+    """Trainer.update of the recorded batch (one mini-batch of 8 rows, micro-batches of 4)
+    by a Trainer holding only what update reads (no model loading, data or tools), with the
+    unsharded step of test_sharded_step_equals_unsharded (its loss is STEP_LOSS: the
+    overrides must agree) or the given one."""
+    module, params = tiny
+    host, batch, _ = recorded
+    cfg = load_config(TrainConfig, None, ["rl.loss.kl_coef=0.001", "rl.mini_batch=8", "rl.micro_batch=4",
+                                          *overrides])
+    opt = make_optimizer(STEP_OPTIM)
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = cfg
+    trainer.s = Setup(model=Model(CFG, None, module), tokenizer=None,
+                      state=init_state(jax.tree.map(jnp.copy, params), opt), ref_params=jax.tree.map(jnp.copy, params),
+                      train_step=train_step or make_train_step(module, opt, STEP_LOSS, temperature=1.0),
+                      logprob_fn=make_logprob_fn(module, 1.0), score=None, toolbox=None, protocol=None)
+    return trainer.update(batch, host.prompt_of, Timer(), step=1)
+
+
+def test_recompute_old_logp_makes_the_first_ratio_one(tiny, recorded):
+    """With rl.recompute_old_logp the first update's ratio is 1 (ppo_kl 0, nothing clipped)
+    although the recorded log-probs are far off (mean |dlogp| > 2); with TIS on, the policy
+    term is the numpy one, token-mean of -A * min(exp(trainer - sampler), cap), and the
+    mismatch metrics are the numpy ones."""
+    host, batch, trainer = recorded
+    m = run_update(tiny, recorded, ["rl.recompute_old_logp=true", f"rl.loss.tis_cap={STEP_LOSS.tis_cap}"])
+    assert abs(m["ppo_kl"]) <= 1e-6 and m["pg_clipfrac"] == 0.0
+    w = np.minimum(np.exp(trainer.astype(np.float64) - host.old_logp), STEP_LOSS.tis_cap)
+    adv = np.asarray(batch.advantages, np.float64)[:, None]
+    assert m["pg_loss"] == pytest.approx((-adv * w)[host.mask > 0].mean(), rel=1e-5)
+    assert m["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy
+    for k, v in np_mismatch(trainer, host.old_logp, host.mask, STEP_LOSS.tis_cap).items():
+        assert m[k] == pytest.approx(v, rel=1e-5), k
+    assert m["mismatch/abs_dlogp"] > 2.0 and m["mismatch/tis_clipfrac"] == 0.0  # pi_trainer << pi_sampler
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_update_feeds_the_step_its_old_logprobs(tiny, recorded, recompute):
+    """What reaches the train step: without recompute_old_logp the sampler's log-probs as
+    the old policy (the ratio of the first update is then not 1), with it the trainer's;
+    the sampler's stay in sampler_logp either way. The mismatch metrics come with the
+    recomputed log-probs only. (A recording step: nothing compiles.)"""
+    host, _, trainer = recorded
+    fed = []
+
+    def step(state, micro):
+        fed.append(jax.tree.map(np.asarray, micro))
+        return state, {"loss": 0.0}
+
+    m = run_update(tiny, recorded, ["rl.recompute_old_logp=true"] if recompute else [], step)
+    assert len(fed) == 1 and any(k.startswith("mismatch/") for k in m) == recompute
+    tokens = fed[0]["tokens"].reshape(8, -1)  # [M * b, R], in the update's shuffled order
+    rows = [int(np.flatnonzero((host.tokens == t).all(1))[0]) for t in tokens]  # each row's trajectory
+    assert sorted(rows) == list(range(8))
+    valid = host.valid[rows]
+    np.testing.assert_array_equal(fed[0]["sampler_logp"].reshape(8, -1)[valid], host.old_logp[rows][valid])
+    want = trainer if recompute else host.old_logp
+    np.testing.assert_allclose(fed[0]["old_logp"].reshape(8, -1)[valid], want[rows][valid], atol=1e-6)

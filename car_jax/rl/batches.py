@@ -7,8 +7,10 @@
     state, metrics = train_step(state, micro_batches(batch, plan, mesh))
 
 `TrainBatch` holds a HostBatch's arrays (shapes in `host_batch`) as jax.Arrays, plus
-ref_logp float32[B, R] (the reference policy's log-probs) and advantages float32[B],
-computed on the device from the batch itself. Nothing comes back to the host but metrics.
+sampler_logp float32[B, R] (the sampler's log-probs, kept when the trainer recomputes
+old_logp), ref_logp float32[B, R] (the reference policy's log-probs) and advantages
+float32[B], computed on the device from the batch itself. Nothing comes back to the host
+but metrics.
 On a mesh the rows (every [B, ...] array) are split over `fsdp` and the prompts [U, P] are
 replicated (U rarely divides the mesh, and they are small).
 
@@ -30,28 +32,36 @@ from jax.sharding import PartitionSpec as P
 from car_jax.calibration.rewards import RewardFn
 from car_jax.rl import grpo
 from car_jax.rl.host_batch import HostBatch, MicroPlan
+from car_jax.rl.mismatch import mismatch_metrics
 from car_jax.rl.steps import Batch, batch_shardings
 
-ROW_KEYS = ("tokens", "valid", "mask", "old_logp", "ref_logp", "advantages")  # gathered per micro-batch row
+ROW_KEYS = ("tokens", "valid", "mask", "old_logp", "ref_logp", "sampler_logp", "advantages")  # per micro-batch row
 PROMPT_FIELDS = ("prompts", "prompts_valid")  # replicated on a mesh; every other field is split by row
 
 
 @struct.dataclass
 class TrainBatch:
-    """A step's rows on the device: the HostBatch fields, ref_logp and advantages."""
+    """A step's rows on the device: the HostBatch fields, sampler_logp, ref_logp and advantages."""
     prompts: jax.Array  # int32[U, P]
     prompts_valid: jax.Array  # bool[U, P]
     prompt_of: jax.Array  # int32[B]
     tokens: jax.Array  # int32[B, R]
     valid: jax.Array  # bool[B, R]
     mask: jax.Array  # float32[B, R]
-    old_logp: jax.Array  # float32[B, R]
+    old_logp: jax.Array  # float32[B, R]: the sampler's, or the trainer's once recomputed
     correct: jax.Array  # bool[B]
     q: jax.Array  # float32[B]
     format_ok: jax.Array  # bool[B]
     group: jax.Array  # int32[B]
+    keep: jax.Array  # bool[B]: rows in the update (mask and group statistics)
+    sampler_logp: jax.Array  # float32[B, R]: the sampler's log-probs (old_logp as it crossed)
     ref_logp: jax.Array  # float32[B, R]: 0 until computed (`chunked_logprobs`)
     advantages: jax.Array  # float32[B]: 0 until scored (`make_scorer`)
+
+    def mismatch(self, tis_cap: float | None = None) -> dict[str, jax.Array]:
+        """The gap between old_logp (once the trainer recomputed it) and sampler_logp over the
+        loss tokens: `mismatch.mismatch_metrics`, device scalars."""
+        return mismatch_metrics(self.old_logp, self.sampler_logp, self.mask, tis_cap)
 
 
 HOST_FIELDS = tuple(f.name for f in dataclasses.fields(HostBatch))
@@ -67,7 +77,8 @@ def train_batch_shardings(mesh: Mesh) -> TrainBatch:
 def to_device(host: HostBatch, mesh: Mesh | None = None) -> TrainBatch:
     """The host -> device crossing of a step's rows: the HostBatch's arrays as a TrainBatch,
     committed to the first device (no mesh) or laid out on `mesh` (rows over fsdp, prompts
-    replicated); ref_logp and advantages start at 0, on the device.
+    replicated); sampler_logp is old_logp (the same device array), ref_logp and advantages
+    start at 0, on the device.
 
     The only place where rollout data enters the device. With several processes, each will
     hold its own rows, and this is where they become global arrays
@@ -83,7 +94,8 @@ def to_device(host: HostBatch, mesh: Mesh | None = None) -> TrainBatch:
         shardings = train_batch_shardings(mesh)
     arrays = {name: jax.device_put(getattr(host, name), getattr(shardings, name)) for name in HOST_FIELDS}
     zeros = {"ref_logp": ((b, r), shardings.ref_logp), "advantages": ((b,), shardings.advantages)}
-    return TrainBatch(**arrays, **{k: jnp.zeros(shape, jnp.float32, device=sh) for k, (shape, sh) in zeros.items()})
+    return TrainBatch(**arrays, sampler_logp=arrays["old_logp"],
+                      **{k: jnp.zeros(shape, jnp.float32, device=sh) for k, (shape, sh) in zeros.items()})
 
 
 def micro_batches(batch: TrainBatch, plan: MicroPlan, mesh: Mesh | None = None) -> Batch:
@@ -127,11 +139,13 @@ def _scatter(mesh: Mesh | None, n: int):
 def make_scorer(reward: RewardFn, std_norm: bool = True, mesh: Mesh | None = None):
     """Jitted `score(batch) -> (batch with advantages, rewards float32[B])`: each row's
     reward from its reward inputs (correct, q, format_ok) and the GRPO advantages within
-    its group (`grpo.group_advantages`), on the device: the advantages go straight into the
-    train step, and only metrics of the rewards come back."""
+    its group over the kept rows (`grpo.group_advantages(valid=batch.keep)`: a dropped row
+    gets advantage 0 and leaves its group's mean and std), on the device: the advantages go
+    straight into the train step, and only metrics of the rewards come back."""
     def score(batch: TrainBatch):
         rewards = reward(batch.correct, batch.q, batch.format_ok)
-        return batch.replace(advantages=grpo.group_advantages(rewards, batch.group, std_norm=std_norm)), rewards
+        adv = grpo.group_advantages(rewards, batch.group, std_norm=std_norm, valid=batch.keep)
+        return batch.replace(advantages=adv), rewards
 
     if mesh is None:
         return jax.jit(score)

@@ -1,5 +1,7 @@
-"""GRPO math with verl's semantics: group advantages, the clipped surrogate (optional
-dual clip), KL estimators to a reference, entropy, and the loss aggregation modes.
+"""GRPO math with verl's semantics: group advantages (over the kept rows), the clipped
+surrogate (optional dual clip, optional truncated importance sampling against the
+sampler's log-probs), KL estimators to a reference, entropy, and the loss aggregation
+modes (Dr.GRPO's with a constant horizon).
 
 All functions are pure and jittable over arrays. Token arrays are aligned to *token
 positions* of the full sequence (prompt + response): `logp[b, t]` is the log-prob of
@@ -30,10 +32,18 @@ class LossConfig:
     entropy_coef: float = 0.0
     agg: AggMode = "token-mean"
     log_ratio_clamp: float = 20.0
+    # Truncated importance sampling (verl's token-level TIS, `tis_imp_ratio_cap`): each token's
+    # policy-gradient term times min(pi_old / pi_sampler, tis_cap), the old policy's log-probs
+    # recomputed by the trainer (needs rl.recompute_old_logp). None: off.
+    tis_cap: float | None = None
     # The rollout's log-prob temperature (logits / T, as sampled). Not a config key: the train
     # step's builder sets it from its `temperature` argument (`steps.make_train_step`), so the
     # episode config is its only source; the fused head (`head_loss`) reads it from here.
     temperature: float = dataclasses.field(default=1.0, metadata={"config": False})
+    # Dr.GRPO's constant divisor (`seq-mean-token-sum-norm`): the most response tokens an
+    # episode can hold. Not a config key either: the builder sets it from the episode config
+    # (`EpisodeConfig.max_response_length`), never from a batch's padded width.
+    horizon: float | None = dataclasses.field(default=None, metadata={"config": False})
 
     def __post_init__(self):
         if not 0 <= self.clip_low < 1:
@@ -47,6 +57,11 @@ class LossConfig:
             raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (verl uses 3.0) or None")
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 (use 1.0 for greedy rollouts)")
+        if self.tis_cap is not None and self.tis_cap < 1.0:
+            raise ValueError(f"tis_cap={self.tis_cap} must be >= 1 (a cap below 1 shrinks even the tokens where "
+                             f"sampler and trainer agree; verl's examples use 2.0) or None (off)")
+        if self.horizon is not None and self.horizon <= 0:
+            raise ValueError(f"horizon={self.horizon} must be > 0 (the episode's maximum response length)")
 
 
 def group_index(group_ids) -> np.ndarray:
@@ -56,29 +71,40 @@ def group_index(group_ids) -> np.ndarray:
     return np.array([seen.setdefault(g, len(seen)) for g in group_ids], np.int32)
 
 
-def group_advantages(rewards: jax.Array, groups, *, std_norm: bool = True, eps: float = 1e-6) -> jax.Array:
+def group_advantages(rewards: jax.Array, groups, *, std_norm: bool = True, eps: float = 1e-6,
+                     valid=None) -> jax.Array:
     """float32[B] advantages: (r - mean_g) / (std_g + eps) within each group, std with ddof=1
     (torch.std), and mean 0 / std 1 for a group of one (as verl). Without std_norm (Dr.GRPO)
     A = r - mean_g. rewards float32[B]; groups: int32[B] group numbers in [0, B) (jittable:
     the trainer's device-side scoring, `calibration.sim`), or on the host any hashable ids
-    (numbered by `group_index` first)."""
+    (numbered by `group_index` first).
+
+    valid bool[B] (default all): the rows that take part. A group's mean and std are over
+    its valid rows only, and the other rows get advantage 0: exactly verl's advantages of
+    the batch with the invalid rows taken out (SimpleTIR's void trajectories are filtered
+    before the advantages). So a group left with one valid row is a group of one, A = r,
+    as verl gives it: that row's reward is still a signal (correct vs. wrong), while A = 0
+    would throw away the only trajectory of the prompt that was kept."""
     if not isinstance(groups, jax.Array):
         groups = group_index(groups)
-    return _group_advantages(jnp.asarray(rewards, jnp.float32), jnp.asarray(groups, jnp.int32), std_norm, eps)
+    r = jnp.asarray(rewards, jnp.float32)
+    valid = jnp.ones(r.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    return _group_advantages(r, jnp.asarray(groups, jnp.int32), valid, std_norm, eps)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _group_advantages(r: jax.Array, groups: jax.Array, std_norm: bool, eps) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=3)
+def _group_advantages(r: jax.Array, groups: jax.Array, valid: jax.Array, std_norm: bool, eps) -> jax.Array:
     def group_sum(x):  # [B] -> [B]: the sum of x over each row's group
         return jax.ops.segment_sum(x, groups, num_segments=r.shape[0])[groups]
 
-    count = group_sum(jnp.ones_like(r))
-    solo = count == 1.0
-    centered = jnp.where(solo, r, r - group_sum(r) / count)
-    if not std_norm:
-        return centered
-    std = jnp.sqrt(group_sum(jnp.square(centered)) / jnp.maximum(count - 1.0, 1.0))
-    return centered / (jnp.where(solo, 1.0, std) + eps)
+    v = valid.astype(jnp.float32)
+    count = group_sum(v)  # valid rows in the row's group
+    solo = count <= 1.0
+    centered = jnp.where(solo, r, r - group_sum(r * v) / jnp.maximum(count, 1.0))
+    if std_norm:
+        std = jnp.sqrt(group_sum(jnp.square(centered) * v) / jnp.maximum(count - 1.0, 1.0))
+        centered = centered / (jnp.where(solo, 1.0, std) + eps)
+    return jnp.where(valid, centered, 0.0)
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: KLType) -> jax.Array:
@@ -99,20 +125,33 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: KLType) -> jax.Array:
 class Norm:
     """Denominators of the aggregation over the *whole* mini-batch, so that micro-batches
     summed give exactly the mini-batch loss: tokens (sum of mask), seqs (sequences with
-    at least one masked token), horizon (Dr.GRPO's constant length)."""
+    at least one masked token), horizon (Dr.GRPO's constant length; None when not given,
+    and then `seq-mean-token-sum-norm` refuses to aggregate)."""
     tokens: jax.Array
     seqs: jax.Array
-    horizon: jax.Array
+    horizon: jax.Array | None
 
 
 jax.tree_util.register_dataclass(Norm, data_fields=["tokens", "seqs", "horizon"], meta_fields=[])
 
+NO_HORIZON = ("loss aggregation seq-mean-token-sum-norm (Dr.GRPO) divides by a constant horizon, the "
+              "configured maximum response length, and none was given: build the train step with "
+              "make_train_step(..., horizon=EpisodeConfig.max_response_length) (LossConfig.horizon), or "
+              "pass norm_of(mask, horizon)")
+
 
 def norm_of(mask: jax.Array, horizon: float | None = None) -> Norm:
-    """Norm for a batch mask [B, T] (horizon defaults to T)."""
+    """Norm for a batch mask [B, T]. horizon: Dr.GRPO's constant divisor, never the padded
+    width T, which changes with the batch's length bucket."""
     return Norm(tokens=jnp.maximum(mask.sum(), 1.0),
                 seqs=jnp.maximum((mask.sum(-1) > 0).sum(), 1).astype(jnp.float32),
-                horizon=jnp.asarray(mask.shape[-1] if horizon is None else horizon, jnp.float32))
+                horizon=None if horizon is None else jnp.asarray(horizon, jnp.float32))
+
+
+def _horizon(norm: Norm) -> jax.Array:
+    if norm.horizon is None:
+        raise ValueError(NO_HORIZON)
+    return norm.horizon
 
 
 def aggregate(values: jax.Array, mask: jax.Array, mode: AggMode, norm: Norm) -> jax.Array:
@@ -123,7 +162,7 @@ def aggregate(values: jax.Array, mask: jax.Array, mode: AggMode, norm: Norm) -> 
         per_seq = (values * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
         return per_seq.sum() / norm.seqs
     if mode == "seq-mean-token-sum-norm":
-        return (values * mask).sum() / norm.horizon
+        return (values * mask).sum() / _horizon(norm)
     raise ValueError(f"loss aggregation {mode!r}: choose token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
 
 
@@ -136,8 +175,19 @@ def token_weights(mask: jax.Array, mode: AggMode, norm: Norm) -> jax.Array:
     if mode == "seq-mean-token-mean":
         return mask / (jnp.maximum(mask.sum(-1, keepdims=True), 1.0) * norm.seqs)
     if mode == "seq-mean-token-sum-norm":
-        return mask / norm.horizon
+        return mask / _horizon(norm)
     raise ValueError(f"loss aggregation {mode!r}: choose token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
+
+
+def tis_weights(old_logp: jax.Array, sampler_logp: jax.Array | None, cfg: LossConfig) -> jax.Array | None:
+    """float32[B, T] truncated importance weights min(exp(old_logp - sampler_logp), tis_cap),
+    a constant (no gradient), or None with TIS off. old_logp: the old policy's log-probs
+    as the trainer computes them; sampler_logp: the ones recorded while sampling."""
+    if cfg.tis_cap is None:
+        return None
+    if sampler_logp is None:
+        raise ValueError(f"tis_cap={cfg.tis_cap} weighs tokens by the sampler's log-probs: pass sampler_logp")
+    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - sampler_logp), cfg.tis_cap))
 
 
 def _surrogate(logp, old_logp, adv, cfg: LossConfig):
@@ -155,34 +205,39 @@ def _surrogate(logp, old_logp, adv, cfg: LossConfig):
     return losses, log_ratio, loss1, loss2, clipped
 
 
-def token_loss(logp, entropy, old_logp, ref_logp, adv, cfg: LossConfig):
-    """The total loss of each token, before aggregation: clipped surrogate -
-    entropy_coef * entropy + kl_coef * KL. All arrays of one shape (adv broadcast);
-    ref_logp is unused when kl_coef == 0. `grpo_loss` == (token_loss * token_weights).sum()."""
-    loss = _surrogate(logp, old_logp, adv, cfg)[0] - cfg.entropy_coef * entropy
+def token_loss(logp, entropy, old_logp, ref_logp, adv, cfg: LossConfig, tis=None):
+    """The total loss of each token, before aggregation: clipped surrogate (times the TIS
+    weight `tis`, when given) - entropy_coef * entropy + kl_coef * KL. All arrays of one
+    shape (adv broadcast); ref_logp is unused when kl_coef == 0.
+    `grpo_loss` == (token_loss * token_weights).sum()."""
+    pg = _surrogate(logp, old_logp, adv, cfg)[0]
+    loss = (pg if tis is None else pg * tis) - cfg.entropy_coef * entropy
     if cfg.kl_coef:
         loss = loss + cfg.kl_coef * kl_penalty(logp, ref_logp, cfg.kl_type)
     return loss
 
 
-def policy_loss(logp, old_logp, advantages, mask, cfg: LossConfig, norm: Norm):
+def policy_loss(logp, old_logp, advantages, mask, cfg: LossConfig, norm: Norm, sampler_logp=None):
     """Clipped surrogate. logp, old_logp, mask [B, T]; advantages [B] (broadcast over
-    tokens). Returns (loss, metrics) with the clip fractions and the approximate KL to
-    the sampling policy."""
+    tokens); sampler_logp [B, T] (needed with cfg.tis_cap: each token's term is weighted
+    by `tis_weights`, as verl multiplies pg_losses after the dual clip). Returns (loss,
+    metrics) with the clip fractions and the approximate KL to the old policy."""
     adv = advantages[:, None]
     losses, log_ratio, loss1, loss2, clipped = _surrogate(logp, old_logp, adv, cfg)
+    tis = tis_weights(old_logp, sampler_logp, cfg)
     metrics = {"pg_clipfrac": aggregate((loss2 > loss1).astype(jnp.float32), mask, "token-mean", norm),
                "ppo_kl": aggregate(-log_ratio, mask, "token-mean", norm)}
     if cfg.dual_clip is not None:
         metrics["pg_clipfrac_lower"] = aggregate(((clipped > -adv * cfg.dual_clip) & (adv < 0)).astype(jnp.float32),
                                                  mask, "token-mean", norm)
-    return aggregate(losses, mask, cfg.agg, norm), metrics
+    return aggregate(losses if tis is None else losses * tis, mask, cfg.agg, norm), metrics
 
 
-def grpo_loss(logp, entropy, old_logp, ref_logp, advantages, mask, cfg: LossConfig, norm: Norm):
+def grpo_loss(logp, entropy, old_logp, ref_logp, advantages, mask, cfg: LossConfig, norm: Norm, sampler_logp=None):
     """Total loss = policy loss - entropy_coef * entropy + kl_coef * KL (each aggregated
-    under cfg.agg). ref_logp may be None when kl_coef == 0. Returns (loss, metrics)."""
-    pg, metrics = policy_loss(logp, old_logp, advantages, mask, cfg, norm)
+    under cfg.agg). ref_logp may be None when kl_coef == 0; sampler_logp is needed with
+    cfg.tis_cap (the TIS weight multiplies the policy term only). Returns (loss, metrics)."""
+    pg, metrics = policy_loss(logp, old_logp, advantages, mask, cfg, norm, sampler_logp)
     ent = aggregate(entropy, mask, cfg.agg, norm)
     loss = pg - cfg.entropy_coef * ent
     metrics = {**metrics, "pg_loss": pg, "entropy": ent}

@@ -30,10 +30,11 @@ from car_jax.rl.logprobs import from_chunks, head_grads, softmax_stats, to_chunk
 
 def _chunk_grads(h, w, y, ctx, inv_t: float, cfg: grpo.LossConfig, policy: ExecutionPolicy):
     """One chunk: h [X, D], w [D, V], y int32[X], ctx (old_logp, ref_logp, advantage,
-    weight) float32[X] each -> (loss [], logp [X], entropy [X], dh [X, D], dw float32[D, V])."""
-    old, ref, adv, weight = ctx
+    weight, TIS weight) float32[X] each -> (loss [], logp [X], entropy [X], dh [X, D],
+    dw float32[D, V])."""
+    old, ref, adv, weight, tis = ctx
     logp, entropy, lse, x = softmax_stats(h, w, y, inv_t, keep=True, policy=policy)
-    loss_of = lambda lp, ent: (weight * grpo.token_loss(lp, ent, old, ref, adv, cfg)).sum()  # noqa: E731
+    loss_of = lambda lp, ent: (weight * grpo.token_loss(lp, ent, old, ref, adv, cfg, tis)).sum()  # noqa: E731
     loss, (g_lp, g_ent) = jax.value_and_grad(loss_of, argnums=(0, 1))(logp, entropy)
     # p = exp(x - lse) is exponentiated again inside rather than kept from the forward:
     # one [X, V] buffer less to read
@@ -72,15 +73,19 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 def grpo_head_loss(h: jax.Array, w: jax.Array, tokens: jax.Array, old_logp: jax.Array, ref_logp: jax.Array,
                    advantages: jax.Array, mask: jax.Array, cfg: grpo.LossConfig, norm: grpo.Norm,
-                   chunk: int = 128, policy: ExecutionPolicy = PLAIN) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   chunk: int = 128, policy: ExecutionPolicy = PLAIN, sampler_logp: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [B, R, D] hidden states predicting tokens int32[B, R], w [D, V] the unembedding;
-    old_logp / ref_logp / mask float32[B, R], advantages float32[B]. Returns (loss,
-    logp, entropy): the loss equals `grpo.grpo_loss` of the log-probs and entropies of
-    softmax(h @ w / cfg.temperature) (its gradient w.r.t. h and w is exact), and logp /
-    entropy float32[B, R] come out without a gradient. `policy`: the model's execution
-    policy (how the sums over V and the backward transposes are computed)."""
+    old_logp / ref_logp / mask float32[B, R], advantages float32[B], sampler_logp
+    float32[B, R] (needed with cfg.tis_cap). Returns (loss, logp, entropy): the loss equals
+    `grpo.grpo_loss` of the log-probs and entropies of softmax(h @ w / cfg.temperature)
+    (same Norm, same TIS weights; its gradient w.r.t. h and w is exact), and logp / entropy
+    float32[B, R] come out without a gradient. `policy`: the model's execution policy (how
+    the sums over V and the backward transposes are computed)."""
     adv = jnp.broadcast_to(advantages[:, None].astype(jnp.float32), tokens.shape)
     ref = jnp.zeros_like(old_logp) if ref_logp is None else ref_logp
-    ctx = (old_logp, ref, adv, grpo.token_weights(mask, cfg.agg, norm))
+    tis = grpo.tis_weights(old_logp, sampler_logp, cfg)
+    tis = jnp.ones_like(old_logp) if tis is None else tis  # off: times 1, exactly the plain surrogate
+    ctx = (old_logp, ref, adv, grpo.token_weights(mask, cfg.agg, norm), tis)
     loss, logp, entropy = _fused(h, w, tokens, ctx, 1.0 / cfg.temperature, cfg, chunk, policy)
     return loss, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(entropy)

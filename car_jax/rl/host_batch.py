@@ -16,6 +16,9 @@ and per-row scalars:
   correct, q, format_ok   bool[B], float32[B], bool[B]: the reward inputs the host parsed
                           (`calibration.rewards.reward_inputs`)
   group          int32[B]       each row's GRPO group, numbered 0, 1, ...
+  keep           bool[B]        rows that take part in the update: a dropped row (a void TIR
+                                trajectory) has mask 0 and stays out of its group's reward
+                                mean and std too (`grpo.group_advantages(valid=keep)`)
 
 P and R are padded to `length_bucket` sizes, so a run sees few shapes (few compiles).
 """
@@ -47,6 +50,7 @@ class HostBatch:
     q: np.ndarray
     format_ok: np.ndarray
     group: np.ndarray
+    keep: np.ndarray
 
     @property
     def rows(self) -> int:
@@ -55,10 +59,10 @@ class HostBatch:
 
 def host_batch(trajs: Sequence[Trajectory], pad_id: int, *, keep: np.ndarray | None = None,
                inputs: RewardInputs | None = None, groups: Sequence | None = None) -> HostBatch:
-    """The HostBatch of `trajs`. keep bool[B]: rows where it is False get mask 0 (they leave
-    the loss; default all kept); inputs: the rows' reward inputs (default all False / 0, as
-    for SFT, which has no reward); groups: any hashable group id per row (default: a group
-    per row)."""
+    """The HostBatch of `trajs`. keep bool[B]: rows where it is False get mask 0 and leave
+    the group statistics (default all kept); inputs: the rows' reward inputs (default all
+    False / 0, as for SFT, which has no reward); groups: any hashable group id per row
+    (default: a group per row)."""
     b = len(trajs)
     ids: dict[tuple[int, ...], int] = {}
     prompt_of = np.array([ids.setdefault(tuple(t.prompt_ids.tolist()), len(ids)) for t in trajs], np.int32)
@@ -68,6 +72,8 @@ def host_batch(trajs: Sequence[Trajectory], pad_id: int, *, keep: np.ndarray | N
     tokens_p, valid_p = left_pad(prompts, length_bucket(max(len(p) for p in prompts), 16), pad_id)
     width = length_bucket(max(1, max(len(t.response_ids) for t in trajs)), 16)
     keep = np.ones(b, bool) if keep is None else np.asarray(keep, bool)
+    if keep.shape != (b,):
+        raise ValueError(f"keep has shape {keep.shape}: one flag per trajectory, ({b},)")
     tokens, valid = np.full((b, width), pad_id, np.int32), np.zeros((b, width), bool)
     mask, old_logp = np.zeros((b, width), np.float32), np.zeros((b, width), np.float32)
     for i, t in enumerate(trajs):
@@ -80,7 +86,7 @@ def host_batch(trajs: Sequence[Trajectory], pad_id: int, *, keep: np.ndarray | N
     group = np.arange(b, dtype=np.int32) if groups is None else grpo.group_index(groups)
     return HostBatch(np.asarray(tokens_p, np.int32), np.asarray(valid_p, bool), prompt_of, tokens, valid, mask,
                      old_logp, np.asarray(inputs.correct, bool), np.asarray(inputs.q, np.float32),
-                     np.asarray(inputs.format_ok, bool), group)
+                     np.asarray(inputs.format_ok, bool), group, keep)
 
 
 def single_turn_batch(prompt_ids: Sequence[Sequence[int]], out: SegmentOut, pad_id: int, inputs: RewardInputs,

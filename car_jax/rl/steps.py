@@ -32,9 +32,11 @@ Batch = dict[str, jax.Array]
 # prompt int32[M, u, P] (left-padded), prompt_valid bool[M, u, P], prompt_index int32[M, b]
 # (row -> its prompt; with u == b it must be arange(b): rows are then positional and
 # nothing is gathered), tokens int32[M, b, R] (responses, right-padded), valid bool[M, b, R],
-# mask float32[M, b, R], old_logp / ref_logp float32[M, b, R], advantages float32[M, b]
+# mask float32[M, b, R], old_logp / ref_logp float32[M, b, R], sampler_logp float32[M, b, R] (the
+# sampler's log-probs: old_logp too unless the trainer recomputed it; read with LossConfig.tis_cap),
+# advantages float32[M, b]
 BATCH_KEYS = ("prompt", "prompt_valid", "prompt_index", "tokens", "valid", "mask", "old_logp", "ref_logp",
-              "advantages")
+              "sampler_logp", "advantages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,23 +123,25 @@ def _micro_loss(params, module: Decoder, micro: Batch, cfg: grpo.LossConfig, nor
     with the loss fused into the vocabulary projection (`head_loss`)."""
     h = response_hidden(module, params, micro["prompt"], micro["prompt_valid"], micro["tokens"], micro["valid"],
                         _prompt_index(micro))
+    sampler = None if cfg.tis_cap is None else micro["sampler_logp"]
     loss, logp, entropy = grpo_head_loss(h, unembedding(module, params), micro["tokens"], micro["old_logp"],
                                          micro["ref_logp"], micro["advantages"], micro["mask"], cfg, norm,
-                                         policy=module.policy)
+                                         policy=module.policy, sampler_logp=sampler)
     _, metrics = grpo.grpo_loss(logp, entropy, micro["old_logp"], micro["ref_logp"], micro["advantages"],
-                                micro["mask"], cfg, norm)
+                                micro["mask"], cfg, norm, sampler)
     return loss, metrics
 
 
-def accumulate(module: Decoder, micro_loss, params, batch: Batch):
+def accumulate(module: Decoder, micro_loss, params, batch: Batch, horizon: float | None = None):
     """(summed grads, summed metrics, summed loss) of `micro_loss(params, micro, norm) ->
     (loss, metrics)` over the M micro-batches of one mini-batch [M, b, ...], in a
     `lax.scan`. `norm` (`grpo.Norm`) is the whole mini-batch's, so each micro-batch's loss
     and metrics are partial sums (token / sequence weighted) and their sums are exactly the
-    mini-batch's values, and so is the summed gradient. The GRPO and the SFT steps both
+    mini-batch's values, and so is the summed gradient; its horizon is the given constant
+    (Dr.GRPO's), never the batch's padded width. The GRPO and the SFT steps both
     accumulate here."""
     t = batch["tokens"].shape[-1]
-    norm = grpo.norm_of(batch["mask"].reshape(-1, t))
+    norm = grpo.norm_of(batch["mask"].reshape(-1, t), horizon)
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def body(acc, micro):
@@ -153,8 +157,10 @@ def accumulate(module: Decoder, micro_loss, params, batch: Batch):
 
 
 def grads_and_metrics(module: Decoder, cfg: grpo.LossConfig, params, batch: Batch):
-    """(summed grads, metrics, loss) of the GRPO loss over the micro-batches of one mini-batch."""
-    return accumulate(module, lambda p, micro, norm: _micro_loss(p, module, micro, cfg, norm), params, batch)
+    """(summed grads, metrics, loss) of the GRPO loss over the micro-batches of one mini-batch
+    (Dr.GRPO's horizon: cfg.horizon)."""
+    return accumulate(module, lambda p, micro, norm: _micro_loss(p, module, micro, cfg, norm), params, batch,
+                      cfg.horizon)
 
 
 def _apply(optimizer: optax.GradientTransformation, state: TrainState, grads) -> TrainState:
@@ -163,14 +169,19 @@ def _apply(optimizer: optax.GradientTransformation, state: TrainState, grads) ->
 
 
 def make_train_step(module: Decoder, optimizer: optax.GradientTransformation, cfg: grpo.LossConfig,
-                    mesh: Mesh | None = None, state_shardings=None, *, temperature: float):
+                    mesh: Mesh | None = None, state_shardings=None, *, temperature: float,
+                    horizon: float | None = None):
     """Jitted `train_step(state, batch) -> (state, metrics)`, state donated. `temperature` is
     the rollout's log-prob temperature (`EpisodeConfig.logprob_temperature`): the step's
-    log-probs use logits / temperature, as the sampler's did. With a mesh, batch rows are
-    split over `fsdp` and the state keeps `state_shardings`. Without one, the jitted
-    function is shared by equal (module, optimizer, cfg, temperature), so a second run in
-    the same process does not compile again."""
-    cfg = dataclasses.replace(cfg, temperature=temperature)
+    log-probs use logits / temperature, as the sampler's did. `horizon` is the episode's
+    maximum response length (`EpisodeConfig.max_response_length`), Dr.GRPO's constant
+    divisor (needed with `seq-mean-token-sum-norm`). With a mesh, batch rows are split over
+    `fsdp` and the state keeps `state_shardings`. Without one, the jitted function is shared
+    by equal (module, optimizer, cfg, temperature, horizon), so a second run in the same
+    process does not compile again."""
+    if cfg.agg == "seq-mean-token-sum-norm" and horizon is None:
+        raise ValueError(grpo.NO_HORIZON)
+    cfg = dataclasses.replace(cfg, temperature=temperature, horizon=horizon)
     if mesh is None:
         return _unsharded_step(module, optimizer, cfg)
     return _build_step(module, optimizer, cfg, mesh, state_shardings)

@@ -114,6 +114,9 @@ class RLConfig:
         for f in ("mini_batch", "micro_batch"):
             require(getattr(self, f) >= 0, f, getattr(self, f), ">= 0 (0: the whole step's / mini-batch's rows)")
         require(self.epochs >= 1, "epochs", self.epochs, ">= 1")
+        if self.loss.tis_cap is not None and not self.recompute_old_logp:
+            raise ValueError(f"rl.loss.tis_cap={self.loss.tis_cap} needs rl.recompute_old_logp=true: the TIS weight "
+                             f"compares the trainer's old log-probs with the sampler's (or set rl.loss.tis_cap=null)")
 
 
 @dataclasses.dataclass(frozen=True)

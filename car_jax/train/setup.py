@@ -62,10 +62,11 @@ def build_setup(cfg: TrainConfig) -> Setup:
     ref_params = jax.tree.map(jnp.copy, model.params) if cfg.rl.loss.kl_coef else None
     state = init_state(jax.tree.map(jnp.copy, model.params), optimizer, mesh)
     # the log-prob temperature of the rollout: the sampler's, the train step's and the
-    # reference / old-policy passes' (one source, the episode config)
+    # reference / old-policy passes' (one source, the episode config); Dr.GRPO's horizon is
+    # the episode config's too (its maximum response length), not a batch's padded width
     temperature = cfg.rollout.logprob_temperature
     step_fn = make_train_step(model.module, optimizer, cfg.rl.loss, mesh, state_shardings(state) if mesh else None,
-                              temperature=temperature)
+                              temperature=temperature, horizon=cfg.rollout.max_response_length)
     protocol, tool_kind = PROTOCOLS[cfg.rollout.protocol]
     model.params = None  # the policy's params live in `state` (donated each step)
     return Setup(model=model, tokenizer=tokenizer, state=state, ref_params=ref_params, train_step=step_fn,

@@ -147,18 +147,23 @@ class Trainer:
 
     def update(self, batch: TrainBatch, prompt_of: np.ndarray, timer: Timer, step: int) -> dict[str, float]:
         """`epochs` passes of shuffled mini-batches of the device batch through the train
-        step; prompt_of int32[B] (the HostBatch's) lays out the micro-batches."""
+        step; prompt_of int32[B] (the HostBatch's) lays out the micro-batches. With
+        rl.recompute_old_logp the old policy's log-probs are the trainer's (the sampler's stay
+        in batch.sampler_logp, for TIS), and the gap between the two is logged
+        (`TrainBatch.mismatch`)."""
         cfg, s = self.cfg, self.s
         n = batch.tokens.shape[0]
         mini, micro = self._sizes(n)
         mesh = s.model.mesh
         share = mesh is None  # on a mesh each device keeps its own rows' prompts (host_batch.micro_plan)
+        mismatch = {}
         with timer("logprobs"):
             every_row = micro_plan(prompt_of, np.arange(n), micro, share)
             if cfg.rl.loss.kl_coef:
                 batch = batch.replace(ref_logp=chunked_logprobs(s.logprob_fn, s.ref_params, batch, every_row, mesh))
             if cfg.rl.recompute_old_logp:
                 batch = batch.replace(old_logp=chunked_logprobs(s.logprob_fn, s.state.params, batch, every_row, mesh))
+                mismatch = batch.mismatch(cfg.rl.loss.tis_cap)  # device scalars
             jax.block_until_ready(batch)
         history = []
         rng = np.random.default_rng([cfg.seed, step])
@@ -170,7 +175,8 @@ class Trainer:
                     s.state, m = s.train_step(s.state, micro_batches(batch, plan, mesh))
                     history.append(m)
             jax.block_until_ready(s.state.params)
-        return {k: float(np.mean([float(h[k]) for h in history])) for k in history[0]}
+        return {**{k: float(np.mean([float(h[k]) for h in history])) for k in history[0]},
+                **{k: float(v) for k, v in mismatch.items()}}
 
     def step(self, step: int, timer: Timer) -> dict[str, float]:
         trajs, host, stats = self.rollout(step, timer)

@@ -1,4 +1,5 @@
-"""Resume: 3 steps, stop, resume, 2 more steps gives the same metrics as 5 steps straight."""
+"""Resume: 3 steps, stop, resume, 2 more steps gives the same metrics as 5 steps straight,
+with an SFT warm start and the KL term on (the reference is the SFT result in both)."""
 import shutil
 
 import pytest
@@ -25,7 +26,8 @@ def config(folder, run_dir, steps):
         f"model.path={folder}", f"run.dir={run_dir}", f"rl.steps={steps}", "rl.prompts_per_step=2",
         "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_response_tokens=6",
         "rollout.max_obs_tokens=16", "rl.optim.lr=1e-3", "rl.mini_batch=2", "rl.micro_batch=1", "rl.epochs=2",
-        "data.limit=5", "run.checkpoint_every=1", "run.tensorboard=false", "run.export_hf=false",
+        "data.limit=5", "sft.data=world", "sft.steps=2", "sft.batch=2", "sft.lr=1e-2",
+        "rl.loss.kl_coef=0.01", "run.checkpoint_every=1", "run.tensorboard=false", "run.export_hf=false",
         "mesh.devices=1"])  # the sharded step is checked in test_train_step
 
 
@@ -43,4 +45,6 @@ def test_resume_equals_straight_run(tiny_folder, tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "b")] == [1, 2, 3, 4, 5]
     # training moved the policy: some loss signal was there
     assert any(abs(r["grad_norm"]) > 0 for r in straight)
+    # the policy left the reference: the KL compared above is not trivially 0 on both sides
+    assert straight[-1]["kl"] > 0
     shutil.rmtree(tmp_path)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -54,31 +55,48 @@ class Trainer:
         self.ckpt = TrainCheckpointer(self.dir / "checkpoints", keep=cfg.run.keep, every=cfg.run.checkpoint_every)
         self.data_pos = 0
         self.start_step = 0
+        # the SFT result is saved once (dir/warm_start): it is the KL reference of every
+        # later step, so a resumed run must read it back, not fall back to the base model
+        self.warm_ckpt = TrainCheckpointer(self.dir / "warm_start", keep=1, async_save=False)
+        warm = bool(cfg.sft.steps and cfg.sft.data)
         if cfg.run.resume and self.ckpt.latest_step() is not None:
+            if warm and self.s.ref_params is not None:  # before the restore: SFT starts from the loaded model
+                self.s.ref_params = self.warm_start_params()
             self._restore()
-        elif cfg.sft.steps and cfg.sft.data:
-            self.warm_start()
+        elif warm:
+            params = self.warm_start_params()
+            self.s.state = init_state(params, make_optimizer(cfg.rl.optim), self.s.model.mesh)
+            if self.s.ref_params is not None:
+                self.s.ref_params = jax.tree.map(jnp.copy, params)
 
-    def warm_start(self):
-        """SFT on the configured demonstrations; the result becomes both the RL starting
-        policy and (with KL) the reference. Its losses go to sft_metrics.jsonl."""
+    def warm_start_params(self):
+        """The policy after the SFT warm start: read from dir/warm_start when a previous
+        attempt of this run saved it (and run.resume is on), else trained on the
+        configured demonstrations from the loaded model and saved there. It becomes both
+        the RL starting policy and (with KL) the reference. Losses go to
+        sft_metrics.jsonl."""
         cfg, s = self.cfg, self.s
+        target = {"params": abstract_state(s.state.params)}
+        if cfg.run.resume and self.warm_ckpt.latest_step() == cfg.sft.steps:
+            return self.warm_ckpt.restore(None, target)[0]["params"]
         if cfg.sft.data == "world":
             demos = world_demos(self.examples, world_retriever(), cfg.data.template)
         else:
             demos = read_demos(cfg.sft.data)
         trajs = tokenize_demos(demos, s.tokenizer)
         opt = make_optimizer(OptimConfig(lr=cfg.sft.lr, total_steps=cfg.sft.steps, weight_decay=0.0))
-        state = init_state(s.state.params, opt, s.model.mesh)
+        state = init_state(jax.tree.map(jnp.copy, s.state.params), opt, s.model.mesh)
         with MetricsLogger(self.dir / "sft", tensorboard=False, total_steps=cfg.sft.steps, desc="sft",
                            show=("sft_loss",)) as log:
             state, _ = run_sft(state, make_sft_step(s.model.module, opt), trajs, steps=cfg.sft.steps,
                                batch=cfg.sft.batch, pad_id=s.tokenizer.pad_token_id or 0, seed=cfg.seed,
                                log=lambda step, loss: log.log(step, {"sft_loss": loss}), mesh=s.model.mesh)
-        rl_opt = make_optimizer(cfg.rl.optim)
-        s.state = init_state(state.params, rl_opt, s.model.mesh)
-        if s.ref_params is not None:
-            s.ref_params = jax.tree.map(jnp.copy, state.params)
+        if self.warm_ckpt.all_steps():  # another sft.steps' result, or resume off: stale
+            self.warm_ckpt.close()
+            shutil.rmtree(self.warm_ckpt.directory)
+            self.warm_ckpt = TrainCheckpointer(self.dir / "warm_start", keep=1, async_save=False)
+        self.warm_ckpt.save(cfg.sft.steps, {"params": state.params}, {"sft_steps": cfg.sft.steps})
+        return state.params
 
     # -- data -------------------------------------------------------------------------
     def _order(self, epoch: int) -> np.ndarray:
@@ -127,7 +145,7 @@ class Trainer:
                                  protocol=s.protocol, seed=cfg.seed * 1_000_003 + step, stats=stats)
         with timer("reward"):
             golds = [ex.golden_answers for ex in examples for _ in range(g)]
-            inputs = reward_inputs([t.text for t in trajs], golds, examples[0].task)
+            inputs = reward_inputs([t.pieces for t in trajs], golds, [ex.task for ex in examples for _ in range(g)])
             host = host_batch(trajs, s.tokenizer.pad_token_id or 0, inputs=inputs,
                               keep=np.array([t.void_turns == 0 for t in trajs]),  # TIR: void trajectories leave the loss
                               groups=[ex.group_id for ex in examples for _ in range(g)])
@@ -218,6 +236,7 @@ class Trainer:
             self.s.tokenizer.save_pretrained(str(out))
         (self.dir / "last_step.json").write_text(json.dumps({"step": cfg.rl.steps, "time": time.time()}))
         self.ckpt.close()
+        self.warm_ckpt.close()
         self.s.toolbox.close()
         return rows
 

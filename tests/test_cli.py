@@ -80,3 +80,17 @@ def test_run_refuses_bad_counts_before_loading(capsys, no_model):
     with pytest.raises(SystemExit) as e:
         main(["run", "--rl-steps", "0"])
     assert e.value.code == 2 and "--rl-steps: 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_run_builds_its_configs_then_loads_the_model(tmp_path, capsys, monkeypatch, no_model):
+    """`make run`'s job with its defaults: every config it builds loads (the embedded model is
+    the default model.path, not an empty override), and only then does a model load."""
+    import car_jax.checkpoints.embedded
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded after the configs were built")
+
+    monkeypatch.setattr(car_jax.checkpoints.embedded, "default_model_dir", refuse)
+    with pytest.raises(AssertionError, match="after the configs were built"):
+        main(["run", "--out", str(tmp_path)])
+    assert capsys.readouterr().err == ""

@@ -50,8 +50,9 @@ def _eval_config(model_path: str, questions: int, out_dir: Path):
     from car_jax.config import load_config
     from car_jax.eval.config import EvalConfig
 
+    model = [f"model.path={model_path}"] if model_path else []  # an empty override reads as null
     return load_config(EvalConfig, None, [
-        f"model.path={model_path}", "data.path=world", "data.split=dev", f"data.limit={questions}", "mode=search",
+        *model, "data.path=world", "data.split=dev", f"data.limit={questions}", "mode=search",
         "episode.max_turns=2", "episode.max_response_tokens=64", "episode.max_obs_tokens=256",
         f"output.dir={out_dir}", "output.resume=true", "output.n_boot=200"])
 

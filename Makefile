@@ -26,8 +26,13 @@ test-deps: $(BIN)/.test-installed
 run: venv
 	$(BIN)/car-jax run
 
+# Two processes: the whole suite in one process (several thousand compiled XLA programs)
+# twice died inside an XLA compile in test_train_step.py, near the end, while the same file
+# passes alone and after the tests that precede it; a fresh process for it avoids that.
+TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 test: test-deps
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q tests
+	$(TEST_ENV) $(BIN)/python -m pytest -q tests --ignore=tests/test_train_step.py
+	$(TEST_ENV) $(BIN)/python -m pytest -q tests/test_train_step.py
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -24,7 +24,7 @@ from typing import Sequence
 from math_verify import parse, verify
 
 TAGS = ("think", "search", "information", "answer", "confidence")
-_TAG_RE = re.compile(r"</?(?:%s)>" % "|".join(TAGS))
+TAG_RE = re.compile(r"</?(?:%s)>" % "|".join(TAGS))  # any opening or closing tag of TAGS
 
 
 def strip_prompt(full_text: str, prompt: str) -> str:
@@ -101,7 +101,7 @@ def check_format(text: str) -> tuple[bool, str]:
         "information": ("think",), "answer": ("confidence",), "confidence": (),
     }
     state, pos, contents = "start", 0, {}
-    while (m := _TAG_RE.search(text, pos)) is not None:
+    while (m := TAG_RE.search(text, pos)) is not None:
         tag = m.group(0)
         if tag.startswith("</"):
             return False, f"unexpected {tag} at {m.start()}"
@@ -114,7 +114,7 @@ def check_format(text: str) -> tuple[bool, str]:
         end = text.find(close, m.end())
         if end == -1:
             return False, f"{tag} at {m.start()} is not closed"
-        if _TAG_RE.search(text, m.end(), end):
+        if TAG_RE.search(text, m.end(), end):
             return False, f"nested tag inside {tag} at {m.start()}"
         contents[name] = text[m.end():end].strip()
         if name == "search" and not contents[name]:

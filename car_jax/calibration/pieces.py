@@ -29,7 +29,6 @@ Piece = tuple[str, bool]  # (text, written by the model)
 Response = Union[str, Sequence[Piece]]
 
 _WRAPPED = re.compile(r"^(\s*<information>).*(</information>\s*)$", re.DOTALL)
-_TAGS = re.compile(r"</?(?:%s)>" % "|".join(parsing.TAGS))
 
 
 def model_text(pieces: Sequence[Piece]) -> str:
@@ -43,7 +42,7 @@ def tool_text(pieces: Sequence[Piece]) -> str:
 
 def _skeleton(text: str) -> str:
     wrapped = _WRAPPED.match(text)
-    return wrapped.group(1) + wrapped.group(2) if wrapped else _TAGS.sub("", text)
+    return wrapped.group(1) + wrapped.group(2) if wrapped else parsing.TAG_RE.sub("", text)
 
 
 def format_text(pieces: Sequence[Piece]) -> str:

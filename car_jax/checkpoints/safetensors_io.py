@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -45,11 +45,15 @@ class SafetensorsFolder:
     """The tensors of an HF folder (single file or sharded with an index), read lazily.
 
     `get(name)` opens the shard, copies out that one tensor and closes the file again,
-    so no more than one tensor's pages stay mapped at a time.
+    so no more than one tensor's pages stay mapped at a time; `get_slice(name, index)`
+    copies out only a rectangle of it (the bytes one process's devices hold), and
+    `shape(name)` reads only the header. `bytes_read` sums the bytes of every array
+    returned so far (what a multi-process load reads in each process).
     """
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
+        self.bytes_read = 0
         index = self.folder / INDEX_NAME
         single = self.folder / SINGLE_NAME
         if index.exists():
@@ -76,14 +80,33 @@ class SafetensorsFolder:
     def names(self) -> list[str]:
         return list(self._where)
 
-    def get(self, name: str) -> np.ndarray:
+    def _file(self, name: str) -> Path:
         if name not in self._where:
             raise CheckpointError(f"{self.folder}: tensor {name!r} missing from the checkpoint")
-        with open_safetensors(self._where[name]) as f:
+        return self._where[name]
+
+    def _read(self, name: str, read: Callable[[Any], np.ndarray]) -> np.ndarray:
+        path = self._file(name)
+        with open_safetensors(path) as f:
             try:
-                return np.array(f.get_tensor(name))
+                out = read(f)
             except (TypeError, ValueError, SafetensorError) as err:  # e.g. a dtype numpy cannot represent
-                raise CheckpointError(f"{self._where[name]}: tensor {name!r} cannot be read: {err}") from err
+                raise CheckpointError(f"{path}: tensor {name!r} cannot be read: {err}") from err
+        self.bytes_read += out.nbytes
+        return out
+
+    def get(self, name: str) -> np.ndarray:
+        """The whole tensor `name`."""
+        return self._read(name, lambda f: np.array(f.get_tensor(name)))
+
+    def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Only the rectangle `index` (step-1 slices, one per axis) of tensor `name`."""
+        return self._read(name, lambda f: np.asarray(f.get_slice(name)[tuple(index)]))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name`, from the file header (no data is read)."""
+        with open_safetensors(self._file(name)) as f:
+            return tuple(f.get_slice(name).get_shape())
 
 
 def write_safetensors(tensors: Iterable[tuple[str, np.ndarray]], folder: str | os.PathLike,

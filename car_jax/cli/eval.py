@@ -24,6 +24,7 @@ def register(sub) -> None:
 
 
 def eval_command(args) -> int:
+    from car_jax import hosts
     from car_jax.eval.config import EvalConfig
     from car_jax.eval.job import EvalSetupError, output_dir, run_eval
     from car_jax.eval.runner import format_table
@@ -33,6 +34,8 @@ def eval_command(args) -> int:
         summary = run_eval(cfg)
     except EvalSetupError as err:
         raise SystemExit(f"car-jax eval: {err}") from None
+    if not hosts.is_writer():  # several processes: process 0 reports (and wrote the files)
+        return 0
     print(format_table(summary))
     for w in summary["warnings"]:
         print(f"note: {w}")

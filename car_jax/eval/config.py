@@ -1,11 +1,13 @@
 """The evaluation configuration (`car-jax eval [--config X.yaml] key=value ...`): one small
 frozen dataclass per concern, composed by `EvalConfig`, read with `car_jax.config.load_config`
 like the training config. The episode settings are `EpisodeConfig` (the same dataclass as
-training's `rollout` section, greedy by default here) and the tools are `ToolsConfig`
-(training's `tools`).
+training's `rollout` section, greedy by default here), the tools are `ToolsConfig`
+(training's `tools`) and the devices are `MeshConfig` (training's `mesh`; one device by
+default, `mesh.devices=0` for all of them, which a run on several processes needs).
 
     car-jax eval model.path=runs/car/hf data.path=world data.split=dev mode=search
     car-jax eval data.path=simpleqa_verified.csv tools.retriever=http://127.0.0.1:8000/retrieve
+    car-jax eval mesh.devices=0 ...   # every device (of every process: jax.distributed)
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from car_jax.eval.runner import EVAL_EPISODE
 from car_jax.models.config import DTYPES
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
+from car_jax.train.config import MeshConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,10 @@ class EvalConfig:
     tools: ToolsConfig = ToolsConfig(code_timeout_s=10.0)
     episode: EpisodeConfig = EVAL_EPISODE
     output: OutputConfig = OutputConfig()
+    # the devices the episodes run on: 1 = one device, no mesh (the default); 0 = all of
+    # them, rows of a batch split over mesh.fsdp (a short batch is padded with copies of its
+    # last example). A run on several processes needs a mesh over all of them: mesh.devices=0
+    mesh: MeshConfig = MeshConfig(devices=1)
 
     def __post_init__(self):
         require(self.seed >= 0, "seed", self.seed, ">= 0")

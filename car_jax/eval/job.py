@@ -1,11 +1,14 @@
 """One evaluation from its config: load the model, the data and the mode's tools, run
-`runner.evaluate`, close the tools. `car-jax eval` and `car-jax run` both call `run_eval`."""
+`runner.evaluate`, close the tools. `car-jax eval` and `car-jax run` both call `run_eval`.
+With several processes (`jax.distributed`) every process calls it with the same config;
+process 0 logs and writes the files."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 import car_jax
+from car_jax import hosts
 from car_jax.checkpoints.embedded import default_model_dir
 from car_jax.data import load_dataset
 from car_jax.eval.config import EvalConfig, EvalDataConfig, EvalModelConfig
@@ -17,8 +20,10 @@ class EvalSetupError(ValueError):
     """The configured model, tokenizer or data cannot be used (message names the key)."""
 
 
-def load_eval_model(cfg: EvalModelConfig):
-    """(model, tokenizer, model path) for `cfg` ("" path: the embedded SmolLM2)."""
+def load_eval_model(cfg: EvalModelConfig, mesh=None):
+    """(model, tokenizer, model path) for `cfg` ("" path: the embedded SmolLM2), on `mesh`
+    (`MeshConfig.build()`; None: one device) with the sampling sharding table (weights
+    split over tp only, so a decode step gathers no weights)."""
     model_path = Path(cfg.path) if cfg.path else default_model_dir()
     if not model_path.exists():
         raise EvalSetupError(f"model.path={str(model_path)!r}: no such file or folder")
@@ -28,7 +33,8 @@ def load_eval_model(cfg: EvalModelConfig):
     except (OSError, ValueError) as err:
         raise EvalSetupError(f"cannot load a tokenizer from {tok_path} ({err}); set model.tokenizer "
                              "(an HF folder or .gguf holding one)") from None
-    return car_jax.load_model(model_path, dtype=cfg.dtype), tokenizer, model_path
+    model = car_jax.load_model(model_path, dtype=cfg.dtype, mesh=mesh, mode="sample", progress=hosts.is_writer())
+    return model, tokenizer, model_path
 
 
 def data_label(cfg: EvalDataConfig) -> tuple[str, str | None]:
@@ -50,14 +56,21 @@ def output_dir(cfg: EvalConfig) -> Path:
     return Path(f"runs/eval-{cfg.mode}-{name}{'-' + split if split else ''}")
 
 
+def _quiet(_line: str) -> None:
+    """The log of processes other than 0."""
+
+
 def run_eval(cfg: EvalConfig, *, label: str | None = None, progress: bool = True, log=print) -> dict:
     """Evaluates per `cfg`; returns the summary (also in <output dir>/summary.json).
-    `label` names the model in the summary (default: its path)."""
+    `label` names the model in the summary (default: its path). A bad `mesh` fails first
+    (ConfigError), before any data or model loads."""
+    mesh = cfg.mesh.build()
+    log = log if hosts.is_writer() else _quiet
     examples = load_dataset(cfg.data.path, split=cfg.data.split, limit=cfg.data.limit)
     name, split = data_label(cfg.data)
     data = name + (f":{split}" if split else "")
     out = output_dir(cfg)
-    model, tokenizer, model_path = load_eval_model(cfg.model)
+    model, tokenizer, model_path = load_eval_model(cfg.model, mesh)
     with open_tools(get_mode(cfg.mode).tool, cfg.tools) as box:
         log(f"eval: {len(examples)} examples of {data}, mode {cfg.mode}, model {model_path}, tool {box.label}, "
             f"out {out}")

@@ -20,10 +20,19 @@ Files written to `out_dir`:
                      bootstrap 95% intervals, mean turns / tool calls, format-valid rate,
                      per-kind breakdown; NaN (undefined AUROC / MCIP) is written as null
     reliability.png  reliability diagram
+
+On a mesh (a model loaded with one) a batch's rows are split over the mesh axis `fsdp`: a
+short batch is padded with copies of its last example to a multiple of fsdp, and the
+padded rows' results are dropped. With several processes (`jax.distributed`) every process
+calls `evaluate` with the same arguments; each runs the episodes and tools of its block of
+every batch (`hosts.local_rows`), the records are gathered so every process holds all of
+them in batch order, only process 0 writes the files, and every process returns the same
+summary. `resume=True` then needs out_dir on a filesystem every process sees.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -35,6 +44,7 @@ from typing import Callable, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from car_jax import hosts
 from car_jax.calibration import metrics, parsing, pieces
 from car_jax.calibration.plots import reliability_diagram
 from car_jax.calibration.rewards import reward_inputs
@@ -133,6 +143,21 @@ def read_samples(path: str | Path, repair: bool = False, missing_ok: bool = Fals
     return rows
 
 
+def _done_records(path: Path, resume: bool) -> list[dict]:
+    """The records already in samples.jsonl when resuming ([] otherwise): process 0 cuts a
+    torn last line first, then every process reads the same file."""
+    if not resume:
+        return []
+    rows = read_samples(path, repair=True, missing_ok=True) if hosts.is_writer() else None
+    hosts.sync("eval: samples.jsonl repaired")
+    rows = rows if rows is not None else read_samples(path, missing_ok=True)
+    counts = hosts.allgather(np.array([len(rows)]))
+    if len(set(counts.tolist())) > 1:
+        raise ValueError(f"{path}: the processes read {counts.tolist()} records from it; output.dir must be "
+                         "a folder every process sees (a shared filesystem) to resume")
+    return rows
+
+
 def _append(path: Path, records: list[dict]) -> None:
     with open(path, "a", encoding="utf-8") as f:
         for r in records:
@@ -226,6 +251,26 @@ def compare_table(summaries: dict[str, dict]) -> str:
 
 
 # ---------------------------------------------------------------- the loop
+def _run_batch(run: Callable, batch: list[QAExample], template: str, mode: str, mesh) -> tuple[list[dict], int]:
+    """One batch's episodes (`run(prompts)`: run_episodes with the loop's settings) ->
+    (its sample records in batch order, in every process; tokens the model sampled for
+    them). On a mesh the rows are padded with copies of the last example to a multiple
+    of fsdp and each process runs its block of them; padded rows' results are dropped."""
+    rows = batch + [batch[-1]] * (-len(batch) % (1 if mesh is None else mesh.shape["fsdp"]))
+    mine = hosts.local_rows(len(rows), mesh)
+    trajs = run([make_prompt(e, template) for e in rows[mine]])
+    real = max(0, min(mine.stop, len(batch)) - mine.start)  # this process's rows that are not padding
+    trajs = trajs[:real]
+    records = score(batch[mine.start:mine.start + real], [t.pieces for t in trajs], mode)
+    for rec, t in zip(records, trajs):
+        rec.update(n_turns=t.n_turns, n_tool_calls=t.n_tool_calls, answered=t.answered,
+                   tool_requests=[log["request"] for log in t.tool_log])
+    parts = hosts.allgather_objects({"start": mine.start, "records": records,
+                                     "sampled": sum(int(t.loss_mask.sum()) for t in trajs)})
+    parts.sort(key=lambda p: p["start"])
+    return [r for p in parts for r in p["records"]], sum(p["sampled"] for p in parts)
+
+
 def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "search",
              tools: dict | None = None, episode_config: EpisodeConfig = EVAL_EPISODE,
              out_dir: str | Path, batch_size: int = 8, resume: bool = False, n_boot: int = 1000,
@@ -251,10 +296,11 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
                          "use a math dataset (MATH-500: problem, answer; AIME 2024: Problem, Answer) "
                          "or mode 'search'/'direct'")
     config = dataclasses.replace(episode_config, max_turns=0) if spec.single_turn else episode_config
+    mesh = None if model is None else model.mesh  # None: no model (tests script run_episodes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES_FILE
-    done_rows = read_samples(path, repair=True, missing_ok=True) if resume else []
+    done_rows = _done_records(path, resume)
     if not resume and path.is_file() and path.stat().st_size:
         raise FileExistsError(f"{path} already holds samples; pass resume=True (--resume) to continue "
                               "that run, or choose another out_dir")
@@ -264,37 +310,40 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
     done = {r["id"] for r in done_rows}
     todo = [e for e in examples if e.id not in done]
 
-    stats, t0 = EpisodeStats(), time.perf_counter()
+    stats, t0, sampled = EpisodeStats(), time.perf_counter(), 0
     bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=f"eval {mode}", unit="q",
-               disable=not progress)
+               disable=not progress or not hosts.is_writer())
     wanted = {e.id for e in examples}
+    by_id = {r["id"]: r for r in done_rows}  # the summary's records, kept here (not re-read from the file)
     n_seen = len(examples) - len(todo)
     n_right = sum(r["correct"] for r in done_rows if r["id"] in wanted)
     for start in range(0, len(todo), batch_size):
         batch = todo[start:start + batch_size]
-        prompts = [make_prompt(e, spec.template) for e in batch]
-        trajs = run_episodes(model, tokenizer, prompts, tools, config=config, protocol=spec.protocol(),
-                             seed=seed + start, stats=stats)
-        records = score(batch, [t.pieces for t in trajs], mode)
-        for rec, t in zip(records, trajs):
-            rec.update(n_turns=t.n_turns, n_tool_calls=t.n_tool_calls, answered=t.answered,
-                       tool_requests=[log["request"] for log in t.tool_log])
-        _append(path, records)
+        run = functools.partial(run_episodes, model, tokenizer, tools=tools, config=config, protocol=spec.protocol(),
+                                seed=seed + start, stats=stats)
+        records, n_sampled = _run_batch(run, batch, spec.template, mode, mesh)
+        if hosts.is_writer():
+            _append(path, records)
+        by_id.update((r["id"], r) for r in records)
+        sampled += n_sampled
         n_right += sum(r["correct"] for r in records)
         n_seen += len(batch)
         bar.update(len(batch))
         bar.set_postfix(acc=f"{n_right / n_seen:.3f}")
     bar.close()
 
-    by_id = {r["id"]: r for r in read_samples(path)}
     samples = [by_id[e.id] for e in examples]
     summary = {"mode": mode, **(info or {}), **summarize(samples, n_boot=n_boot, seed=seed)}
+    # times: the slowest process's (each process times its own rows' tools)
+    seconds, device, tool = hosts.allgather(np.array([[time.perf_counter() - t0, stats.seconds_device,
+                                                       stats.seconds_tools]])).max(axis=0).tolist()
     summary["run"] = {"new_examples": len(todo), "resumed_examples": len(examples) - len(todo),
-                      "seconds": time.perf_counter() - t0, "seconds_device": stats.seconds_device,
-                      "seconds_tools": stats.seconds_tools, "sampled_tokens": stats.sampled_tokens,
+                      "seconds": seconds, "seconds_device": device, "seconds_tools": tool, "sampled_tokens": sampled,
                       "episode": {"max_turns": config.max_turns, "max_response_tokens": config.max_response_tokens,
                                   "max_obs_tokens": config.max_obs_tokens,
                                   "sampler": dataclasses.asdict(config.sampler)}}
+    if not hosts.is_writer():
+        return summary
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
 
     c = [s["correct"] for s in samples]

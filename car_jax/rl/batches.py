@@ -25,10 +25,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from car_jax import hosts
 from car_jax.calibration.rewards import RewardFn
 from car_jax.rl import grpo
 from car_jax.rl.host_batch import HostBatch, MicroPlan
@@ -80,22 +82,42 @@ def to_device(host: HostBatch, mesh: Mesh | None = None) -> TrainBatch:
     replicated); sampler_logp is old_logp (the same device array), ref_logp and advantages
     start at 0, on the device.
 
-    The only place where rollout data enters the device. With several processes, each will
-    hold its own rows, and this is where they become global arrays
-    (`jax.make_array_from_process_local_data(sharding, local_rows)`); today every process
-    holds all rows."""
+    The only place where rollout data enters the device. With several processes `host` is
+    this process's rows (`hosts.local_rows`, ids made global by `share_prompts`, the same
+    widths in every process): the row arrays are assembled from every process's block
+    (`jax.make_array_from_process_local_data`) and the prompt table, the same in every
+    process, is replicated."""
     b, r = host.tokens.shape
+    total = b * hosts.count()
     if mesh is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = TrainBatch(**{f.name: sharding for f in dataclasses.fields(TrainBatch)})
+        arrays = {name: jax.device_put(getattr(host, name), sharding) for name in HOST_FIELDS}
     else:
-        if b % mesh.shape["fsdp"]:
-            raise ValueError(f"{b} rows cannot be split over mesh axis fsdp of size {mesh.shape['fsdp']}")
+        if total % mesh.shape["fsdp"]:
+            raise ValueError(f"{total} rows cannot be split over mesh axis fsdp of size {mesh.shape['fsdp']}")
         shardings = train_batch_shardings(mesh)
-    arrays = {name: jax.device_put(getattr(host, name), getattr(shardings, name)) for name in HOST_FIELDS}
-    zeros = {"ref_logp": ((b, r), shardings.ref_logp), "advantages": ((b,), shardings.advantages)}
+        arrays = {name: hosts.to_global(getattr(host, name), mesh, getattr(shardings, name).spec, rows=total)
+                  for name in HOST_FIELDS}
+    zeros = {"ref_logp": ((total, r), shardings.ref_logp), "advantages": ((total,), shardings.advantages)}
     return TrainBatch(**arrays, sampler_logp=arrays["old_logp"],
                       **{k: jnp.zeros(shape, jnp.float32, device=sh) for k, (shape, sh) in zeros.items()})
+
+
+def share_prompts(host: HostBatch, pad_id: int) -> HostBatch:
+    """With several processes: this process's rows with the step's whole prompt table (every
+    process's distinct prompts, padded to the same count per process, in process order) and
+    prompt_of and group numbered in it (group ids offset by the block's first row, so groups
+    of different processes never meet). The HostBatch itself with one process."""
+    if hosts.count() == 1:
+        return host
+    u = hosts.global_max(len(host.prompts))
+    extra = u - len(host.prompts)
+    prompts = np.concatenate([host.prompts, np.full((extra, host.prompts.shape[1]), pad_id, np.int32)])
+    valid = np.concatenate([host.prompts_valid, np.zeros((extra, host.prompts.shape[1]), bool)])
+    first_row = hosts.index() * host.rows
+    return dataclasses.replace(host, prompts=hosts.allgather(prompts), prompts_valid=hosts.allgather(valid),
+                               prompt_of=host.prompt_of + hosts.index() * u, group=host.group + first_row)
 
 
 def micro_batches(batch: TrainBatch, plan: MicroPlan, mesh: Mesh | None = None) -> Batch:

@@ -58,19 +58,23 @@ class HostBatch:
 
 
 def host_batch(trajs: Sequence[Trajectory], pad_id: int, *, keep: np.ndarray | None = None,
-               inputs: RewardInputs | None = None, groups: Sequence | None = None) -> HostBatch:
+               inputs: RewardInputs | None = None, groups: Sequence | None = None,
+               lengths: tuple[int, int] | None = None) -> HostBatch:
     """The HostBatch of `trajs`. keep bool[B]: rows where it is False get mask 0 and leave
     the group statistics (default all kept); inputs: the rows' reward inputs (default all
     False / 0, as for SFT, which has no reward); groups: any hashable group id per row
-    (default: a group per row)."""
+    (default: a group per row); lengths: (longest prompt, longest response) to pad for
+    instead of these trajectories' own (`longest`: with several processes, the longest of
+    every process's rows, so that all build the same widths)."""
     b = len(trajs)
     ids: dict[tuple[int, ...], int] = {}
     prompt_of = np.array([ids.setdefault(tuple(t.prompt_ids.tolist()), len(ids)) for t in trajs], np.int32)
     prompts = list(ids)
     if min(len(p) for p in prompts) == 0:
         raise ValueError("a trajectory has an empty prompt: every response must follow at least one token")
-    tokens_p, valid_p = left_pad(prompts, length_bucket(max(len(p) for p in prompts), 16), pad_id)
-    width = length_bucket(max(1, max(len(t.response_ids) for t in trajs)), 16)
+    longest_prompt, longest_response = longest(trajs) if lengths is None else lengths
+    tokens_p, valid_p = left_pad(prompts, length_bucket(longest_prompt, 16), pad_id)
+    width = length_bucket(max(1, longest_response), 16)
     keep = np.ones(b, bool) if keep is None else np.asarray(keep, bool)
     if keep.shape != (b,):
         raise ValueError(f"keep has shape {keep.shape}: one flag per trajectory, ({b},)")
@@ -87,6 +91,11 @@ def host_batch(trajs: Sequence[Trajectory], pad_id: int, *, keep: np.ndarray | N
     return HostBatch(np.asarray(tokens_p, np.int32), np.asarray(valid_p, bool), prompt_of, tokens, valid, mask,
                      old_logp, np.asarray(inputs.correct, bool), np.asarray(inputs.q, np.float32),
                      np.asarray(inputs.format_ok, bool), group, keep)
+
+
+def longest(trajs: Sequence[Trajectory]) -> tuple[int, int]:
+    """(longest prompt, longest response) of `trajs`, in tokens."""
+    return max(len(t.prompt_ids) for t in trajs), max(len(t.response_ids) for t in trajs)
 
 
 def single_turn_batch(prompt_ids: Sequence[Sequence[int]], out: SegmentOut, pad_id: int, inputs: RewardInputs,

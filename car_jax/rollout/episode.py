@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from car_jax import hosts
 from car_jax.rollout.decode import decode_segment, prefill
 from car_jax.rollout.generate import (
     decode_windows,
@@ -141,7 +142,12 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
                  stats: EpisodeStats | None = None) -> list[Trajectory]:
     """Runs one episode per prompt (a string or chat messages; repeat a prompt G times
     for a GRPO group). `tools` maps an action kind ("search", "code") to a batched tool.
-    Returns one Trajectory per prompt."""
+    Returns one Trajectory per prompt.
+
+    With several processes every process calls this with its own rows (as many in each:
+    `hosts.local_rows` of the step's rows), runs the tools for those only, and the device
+    work runs on all rows at once; the loop's decisions (another turn, a prefill's width)
+    are agreed between the processes."""
     stats = stats if stats is not None else EpisodeStats()
     texts = prompt_texts(tokenizer, prompts)
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -165,9 +171,9 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
         # attend over the slots this turn can reach, not the whole episode's cache
         windows = decode_windows(int(cache.index), config.max_response_tokens, cache.capacity)
         out, cache = decode_segment(model.module, config.sampler, config.max_response_tokens, model.params,
-                                    cache, logits, jnp.asarray(active),
+                                    cache, logits, hosts.to_global(active, model.mesh),
                                     eos, final_tables if final else tables, sub, windows=windows)
-        out = jax.tree.map(np.asarray, out)
+        out = jax.tree.map(lambda x: hosts.fetch_local(x, model.mesh), out)  # this process's rows
         stats.seconds_device += time.perf_counter() - t0
 
         actions: dict[int, Action] = {}
@@ -186,7 +192,7 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
                 active[i] = False
                 continue
             actions[int(i)] = action
-        if not active.any():
+        if not hosts.global_max(int(active.any())):  # every process's rows have ended
             break
 
         t1 = time.perf_counter()
@@ -210,11 +216,12 @@ def run_episodes(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
                 active[i] = False
             if not active[i]:
                 chunks[i] = []
-        if not active.any():
+        if not hosts.global_max(int(active.any())):
             break
-        # pad to the longest new chunk of this turn (bucketed), not to the budget
-        tokens, valid = left_pad(chunks, round_up(max(len(c) for c in chunks)), pad)
-        logits, cache = prefill(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid))
+        # pad to the longest new chunk of this turn (of any process; bucketed), not to the budget
+        tokens, valid = left_pad(chunks, round_up(hosts.global_max(max(len(c) for c in chunks))), pad)
+        logits, cache = prefill(model.module, model.params, cache, hosts.to_global(tokens, model.mesh),
+                                hosts.to_global(valid, model.mesh))
         stats.prefilled_tokens += int(valid.sum())
     for traj in trajs:
         traj.text = tokenizer.decode(traj.response_ids, skip_special_tokens=True)

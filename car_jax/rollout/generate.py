@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from car_jax import hosts
 from car_jax.models.policy import backend_policy
 from car_jax.rollout.decode import SegmentOut, decode_segment, prefill, prefill_shared
 from car_jax.rollout.sampling import Sampler
@@ -81,10 +82,12 @@ def prefill_prompts(model, prompt_ids: Sequence[Sequence[int]], extra: int, pad_
     """Left-pads the prompts to one width P (a multiple of BUCKET), allocates a cache of
     P + extra slots and prefills it. On one device each distinct prompt runs once (the
     copies of a GRPO group share a forward) and its rows get copies of its cache; on a
-    mesh, where rows are split over devices, every row runs. Returns (logits float32[B, V],
-    cache, prefilled tokens)."""
-    width = round_up(max(len(p) for p in prompt_ids))
-    cache = model.init_cache(len(prompt_ids), width + extra)
+    mesh, where rows are split over devices, every row runs. With several processes,
+    `prompt_ids` are this process's rows (`hosts.local_rows`; as many in every process), P
+    is the widest of all processes' and the cache holds every process's rows. Returns
+    (logits float32[B, V], cache, prefilled tokens of this process's rows)."""
+    width = round_up(hosts.global_max(max(len(p) for p in prompt_ids)))
+    cache = model.init_cache(len(prompt_ids) * hosts.count(), width + extra)
     ids: dict[tuple[int, ...], int] = {}
     inverse = np.array([ids.setdefault(tuple(p), len(ids)) for p in prompt_ids], np.int32)
     if model.mesh is None and len(ids) < len(prompt_ids):
@@ -93,7 +96,8 @@ def prefill_prompts(model, prompt_ids: Sequence[Sequence[int]], extra: int, pad_
                                        jnp.asarray(inverse))
     else:
         tokens, valid = left_pad(prompt_ids, width, pad_id)
-        logits, cache = prefill(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid))
+        logits, cache = prefill(model.module, model.params, cache, hosts.to_global(tokens, model.mesh),
+                                hosts.to_global(valid, model.mesh))
     return logits, cache, int(valid.sum())
 
 
@@ -101,7 +105,8 @@ def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_n
                  sampler: Sampler = Sampler(), stop: Sequence = (), seed: int = 0,
                  eos: np.ndarray | None = None, stages: int | None = None) -> SegmentOut:
     """Token-level generation for prompts given as id lists; returns the SegmentOut
-    (sampled ids, recorded log-probs, lengths, stop flags) as numpy arrays. The decode
+    (sampled ids, recorded log-probs, lengths, stop flags) as numpy arrays (with several
+    processes: each process passes and gets back its own rows, `hosts.local_rows`). The decode
     loop runs in up to `stages` stages of growing cache windows (`decode_windows`;
     default: the model's execution policy's `decode_stages`)."""
     if max_new_tokens < 1:
@@ -109,12 +114,12 @@ def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_n
     logits, cache, _ = prefill_prompts(model, prompt_ids, max_new_tokens, tokenizer.pad_token_id or 0)
     tables = jnp.asarray(stop_tables(tokenizer, stop))
     eos = eos_ids(model, tokenizer) if eos is None else eos
-    active = jnp.asarray([len(p) > 0 for p in prompt_ids])
+    active = hosts.to_global(np.array([len(p) > 0 for p in prompt_ids]), model.mesh)
     stages = model.module.policy.decode_stages if stages is None else stages
     out, _ = decode_segment(model.module, sampler, max_new_tokens, model.params, cache, logits,
                             active, jnp.asarray(eos), tables, jax.random.key(seed),
                             windows=decode_windows(int(cache.index), max_new_tokens, cache.capacity, stages))
-    return SegmentOut(*(np.asarray(x) for x in out))
+    return SegmentOut(*(hosts.fetch_local(x, model.mesh) for x in out))
 
 
 def generate(model, tokenizer, prompts: Sequence, *, max_new_tokens: int, temperature: float = 0.0,

@@ -65,6 +65,18 @@ class MeshConfig:
                               f"{n}, or divide it with -1 for the axis that takes the rest")
         return list(available[:n])
 
+    def build(self):
+        """The (fsdp, tp) jax Mesh over the picked devices of `jax.devices()`; None with one
+        device. With several processes the mesh must span all of them (`hosts.check_mesh`)."""
+        import jax
+
+        import car_jax
+        from car_jax import hosts
+        devices = self.pick(jax.devices())
+        mesh = car_jax.make_mesh(self.fsdp, self.tp, devices) if len(devices) > 1 else None
+        hosts.check_mesh(mesh)
+        return mesh
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:

@@ -30,7 +30,7 @@ from typing import Any
 from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
-__all__ = ["MetricsLogger", "Timer", "read_metrics", "METRICS_FILE"]
+__all__ = ["MetricsLogger", "NullLogger", "Timer", "read_metrics", "METRICS_FILE"]
 
 METRICS_FILE = "metrics.jsonl"
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -136,6 +136,23 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NullLogger:
+    """A MetricsLogger that writes nothing: what the processes other than the writer of a
+    multi-process run log to (`hosts.is_writer`)."""
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NullLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def _parse(line: str) -> dict | None:

@@ -43,9 +43,9 @@ class Setup:
 
 def build_mesh(cfg: MeshConfig) -> Mesh | None:
     """The (fsdp, tp) mesh over the configured devices; None with one device. Asking for more
-    devices than there are is a ConfigError naming mesh.devices (`MeshConfig.pick`)."""
-    devices = cfg.pick(jax.devices())
-    return car_jax.make_mesh(cfg.fsdp, cfg.tp, devices) if len(devices) > 1 else None
+    devices than there are is a ConfigError naming mesh.devices (`MeshConfig.pick`), and so
+    is a mesh that leaves out a process of a multi-process run (`hosts.check_mesh`)."""
+    return cfg.build()
 
 
 def load_policy(cfg: PolicyConfig, mesh: Mesh | None):

@@ -15,10 +15,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from car_jax import hosts
 from car_jax.calibration.parsing import normalize_answer
 from car_jax.data import make_prompt
-from car_jax.rl.batches import micro_batches, to_device
-from car_jax.rl.host_batch import host_batch, micro_plan
+from car_jax.rl.batches import micro_batches, share_prompts, to_device
+from car_jax.rl.host_batch import host_batch, longest, micro_plan
 from car_jax.rollout.episode import Trajectory
 from car_jax.rollout.generate import prompt_texts
 
@@ -82,8 +83,10 @@ def run_sft(state, step_fn, trajs: list[Trajectory], *, steps: int, batch: int, 
     losses = []
     for step in range(steps):
         chosen = [trajs[order[(step * batch + i) % len(trajs)]] for i in range(batch)]
-        host = host_batch(chosen, pad_id)
-        data = micro_batches(to_device(host, mesh), micro_plan(host.prompt_of, np.arange(batch), batch, mesh is None),
+        mine = hosts.local_rows(batch, mesh)  # every process picks the same rows and sends its block
+        host = share_prompts(host_batch(chosen[mine], pad_id, lengths=longest(chosen)), pad_id)
+        prompt_of = hosts.allgather(host.prompt_of)
+        data = micro_batches(to_device(host, mesh), micro_plan(prompt_of, np.arange(batch), batch, mesh is None),
                              mesh)
         state, metrics = step_fn(state, data)
         losses.append(float(metrics["sft_loss"]))

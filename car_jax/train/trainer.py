@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from car_jax import hosts
 from car_jax.calibration import metrics as cal
 from car_jax.calibration.rewards import reward_inputs
 from car_jax.checkpoints.loader import save_hf_folder
@@ -30,18 +31,24 @@ from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
 from car_jax.config import save_config
 from car_jax.data import load_dataset, make_prompt, world_retriever
 from car_jax.models.api import Model
-from car_jax.rl.batches import TrainBatch, chunked_logprobs, micro_batches, to_device
-from car_jax.rl.host_batch import HostBatch, host_batch, micro_plan
+from car_jax.rl.batches import TrainBatch, chunked_logprobs, micro_batches, share_prompts, to_device
+from car_jax.rl.host_batch import HostBatch, host_batch, longest, micro_plan
 from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step
 from car_jax.rollout.episode import EpisodeStats, run_episodes
 from car_jax.train.config import TrainConfig
-from car_jax.train.log import MetricsLogger, Timer
+from car_jax.train.log import MetricsLogger, NullLogger, Timer
 from car_jax.train.setup import Setup, build_setup
 from car_jax.train.sft import read_demos, run_sft, tokenize_demos, world_demos
 
 
 class Trainer:
-    """Holds the run's state; `run()` trains to `rl.steps`, resuming if it can."""
+    """Holds the run's state; `run()` trains to `rl.steps`, resuming if it can.
+
+    With several processes (`jax.distributed`) every process runs this same loop: each
+    rolls out its block of a step's rows (whole GRPO groups; `hosts.local_rows`) and
+    calls the tools for those, the device arrays are assembled from every process's
+    block, metrics are gathered so that all processes log the same values, checkpoints
+    are written by all (orbax), and only process 0 writes files (`hosts.is_writer`)."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -51,7 +58,8 @@ class Trainer:
             raise ValueError(f"data.train={cfg.data.train!r} (split {cfg.data.train_split}) has no examples")
         self.dir = Path(cfg.run.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.dir / "config.yaml")
+        if hosts.is_writer():
+            save_config(cfg, self.dir / "config.yaml")
         self.ckpt = TrainCheckpointer(self.dir / "checkpoints", keep=cfg.run.keep, every=cfg.run.checkpoint_every)
         self.data_pos = 0
         self.start_step = 0
@@ -86,17 +94,24 @@ class Trainer:
         trajs = tokenize_demos(demos, s.tokenizer)
         opt = make_optimizer(OptimConfig(lr=cfg.sft.lr, total_steps=cfg.sft.steps, weight_decay=0.0))
         state = init_state(jax.tree.map(jnp.copy, s.state.params), opt, s.model.mesh)
-        with MetricsLogger(self.dir / "sft", tensorboard=False, total_steps=cfg.sft.steps, desc="sft",
-                           show=("sft_loss",)) as log:
+        with self._logger(self.dir / "sft", tensorboard=False, total_steps=cfg.sft.steps, desc="sft",
+                          show=("sft_loss",)) as log:
             state, _ = run_sft(state, make_sft_step(s.model.module, opt), trajs, steps=cfg.sft.steps,
                                batch=cfg.sft.batch, pad_id=s.tokenizer.pad_token_id or 0, seed=cfg.seed,
                                log=lambda step, loss: log.log(step, {"sft_loss": loss}), mesh=s.model.mesh)
         if self.warm_ckpt.all_steps():  # another sft.steps' result, or resume off: stale
             self.warm_ckpt.close()
-            shutil.rmtree(self.warm_ckpt.directory)
+            if hosts.is_writer():
+                shutil.rmtree(self.warm_ckpt.directory)
+            hosts.sync("warm_start removed")
             self.warm_ckpt = TrainCheckpointer(self.dir / "warm_start", keep=1, async_save=False)
         self.warm_ckpt.save(cfg.sft.steps, {"params": state.params}, {"sft_steps": cfg.sft.steps})
         return state.params
+
+    @staticmethod
+    def _logger(run_dir, **kwargs):
+        """The metrics logger: files, TensorBoard and the bar in process 0, nothing elsewhere."""
+        return MetricsLogger(run_dir, **kwargs) if hosts.is_writer() else NullLogger()
 
     # -- data -------------------------------------------------------------------------
     def _order(self, epoch: int) -> np.ndarray:
@@ -132,11 +147,18 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------------------
     def rollout(self, step: int, timer: Timer):
-        """G episodes for each of the next prompts, parsed on the host: (trajectories,
-        HostBatch, episode stats)."""
+        """G episodes for each of this process's share of the next prompts (all of them
+        with one process), parsed on the host: (trajectories, HostBatch of these rows with
+        the step's global ids and widths, episode stats)."""
         cfg, s = self.cfg, self.s
-        examples = self.next_examples(cfg.rl.prompts_per_step)
         g = cfg.rollout.group_size
+        examples = self.next_examples(cfg.rl.prompts_per_step)  # every process: the same stream
+        mine = hosts.local_rows(len(examples) * g, s.model.mesh)
+        if mine.start % g or mine.stop % g:
+            raise ValueError(f"{hosts.count()} processes cannot each take whole groups of the {len(examples)} "
+                             f"prompts x {g} rows of a step; make rl.prompts_per_step a multiple of "
+                             f"{hosts.count()}")
+        examples = examples[mine.start // g:mine.stop // g]
         prompts = [make_prompt(ex, cfg.data.template) for ex in examples for _ in range(g)]
         policy = Model(s.model.config, s.state.params, s.model.module, s.model.mesh, s.model.source)
         stats = EpisodeStats()
@@ -146,9 +168,11 @@ class Trainer:
         with timer("reward"):
             golds = [ex.golden_answers for ex in examples for _ in range(g)]
             inputs = reward_inputs([t.pieces for t in trajs], golds, [ex.task for ex in examples for _ in range(g)])
+            lengths = tuple(hosts.allgather(np.array([longest(trajs)])).max(axis=0).tolist())
             host = host_batch(trajs, s.tokenizer.pad_token_id or 0, inputs=inputs,
                               keep=np.array([t.void_turns == 0 for t in trajs]),  # TIR: void trajectories leave the loss
-                              groups=[ex.group_id for ex in examples for _ in range(g)])
+                              groups=[ex.group_id for ex in examples for _ in range(g)], lengths=lengths)
+            host = share_prompts(host, s.tokenizer.pad_token_id or 0)
         return trajs, host, stats
 
     def _sizes(self, n: int) -> tuple[int, int]:
@@ -198,24 +222,28 @@ class Trainer:
 
     def step(self, step: int, timer: Timer) -> dict[str, float]:
         trajs, host, stats = self.rollout(step, timer)
-        self._sizes(host.rows)  # a bad batch layout fails before anything is sent
+        self._sizes(host.rows * hosts.count())  # a bad batch layout fails before anything is sent
         batch, rewards = self.s.score(to_device(host, self.s.model.mesh))
-        train_metrics = self.update(batch, host.prompt_of, timer, step)
+        train_metrics = self.update(batch, hosts.allgather(host.prompt_of), timer, step)
         split = timer.split()
         return {**self._rollout_metrics(trajs, host, rewards, stats, split), **train_metrics, **split}
 
     @staticmethod
     def _rollout_metrics(trajs, host: HostBatch, rewards, stats: EpisodeStats, split: dict) -> dict[str, float]:
+        """The step's rollout metrics over every process's rows (gathered; the times are
+        this process's)."""
+        rows = hosts.allgather(np.stack([host.correct, host.q, host.format_ok,
+                                         [t.loss_mask.sum() for t in trajs], [t.n_turns for t in trajs],
+                                         [t.n_tool_calls for t in trajs]], axis=1).astype(np.float64))
+        correct, q, format_ok, sampled, turns, calls = rows.T
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # single-class batches: AUROC is NaN, logged as such
-            calib = cal.calibration(host.correct, host.q)
-        sampled = sum(int(t.loss_mask.sum()) for t in trajs)
+            calib = cal.calibration(correct.astype(bool), q.astype(np.float32))
         return {
             "reward": float(jnp.mean(rewards)), "accuracy": calib["accuracy"], "ece": calib["ece"],
-            "auroc": calib["auroc"], "confidence": float(host.q.mean()), "format_ok": float(host.format_ok.mean()),
-            "response_tokens": sampled / len(trajs), "turns": float(np.mean([t.n_turns for t in trajs])),
-            "tool_calls": float(np.mean([t.n_tool_calls for t in trajs])),
-            "tokens_per_s": sampled / max(split.get("time/rollout", 0.0), 1e-9),
+            "auroc": calib["auroc"], "confidence": float(np.float32(q).mean()), "format_ok": float(format_ok.mean()),
+            "response_tokens": float(sampled.mean()), "turns": float(turns.mean()), "tool_calls": float(calls.mean()),
+            "tokens_per_s": float(sampled.sum()) / max(split.get("time/rollout", 0.0), 1e-9),
             "time/tools": stats.seconds_tools,
         }
 
@@ -223,18 +251,20 @@ class Trainer:
         cfg = self.cfg
         timer = Timer()
         rows = []
-        with MetricsLogger(self.dir, tensorboard=cfg.run.tensorboard, total_steps=cfg.rl.steps,
-                           initial_step=self.start_step, truncate_after=self.start_step) as log:
+        with self._logger(self.dir, tensorboard=cfg.run.tensorboard, total_steps=cfg.rl.steps,
+                          initial_step=self.start_step, truncate_after=self.start_step) as log:
             for step in range(self.start_step + 1, cfg.rl.steps + 1):
                 row = self.step(step, timer)
                 log.log(step, row)
                 rows.append({"step": step, **row})
                 self._save(step, force=step == cfg.rl.steps)
         self.ckpt.wait()
-        if cfg.run.export_hf:
+        if cfg.run.export_hf:  # every process gathers, process 0 writes
             out = save_hf_folder(self.s.state.params, self.s.model.config, self.dir / "hf")
-            self.s.tokenizer.save_pretrained(str(out))
-        (self.dir / "last_step.json").write_text(json.dumps({"step": cfg.rl.steps, "time": time.time()}))
+            if hosts.is_writer():
+                self.s.tokenizer.save_pretrained(str(out))
+        if hosts.is_writer():
+            (self.dir / "last_step.json").write_text(json.dumps({"step": cfg.rl.steps, "time": time.time()}))
         self.ckpt.close()
         self.warm_ckpt.close()
         self.s.toolbox.close()

@@ -19,8 +19,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from car_jax.config import ConfigError
 
 ROWS = P("fsdp")
 
@@ -61,7 +64,6 @@ def check_mesh(mesh: Mesh | None) -> None:
         return
     held = 0 if mesh is None else len({d.process_index for d in mesh.devices.flat})
     if held != count():
-        from car_jax.config import ConfigError
         raise ConfigError(f"mesh.devices: a run on {count()} processes needs a mesh over the devices of all of "
                           f"them ({jax.device_count()} devices; the mesh spans {held} processes); "
                           "set mesh.devices=0 (all devices)")
@@ -130,7 +132,6 @@ def gather_full(x: jax.Array) -> np.ndarray:
     process must call it, in the same order); plain `np.asarray` with one process."""
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
-    from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -140,7 +141,6 @@ def allgather(local: np.ndarray) -> np.ndarray:
     local = np.asarray(local)
     if count() == 1:
         return local
-    from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
 
@@ -166,5 +166,4 @@ def allgather_objects(obj: Any) -> list[Any]:
 def sync(name: str) -> None:
     """A barrier: every process waits here until all reach it (no-op with one process)."""
     if count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
+            multihost_utils.sync_global_devices(name)

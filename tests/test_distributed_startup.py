@@ -2,9 +2,6 @@
 `jax.distributed.initialize` and with which arguments, the one-line errors of an incomplete or
 malformed environment, and two real processes on loopback that see each other's devices and
 sum an array across both."""
-import os
-import socket
-import subprocess
 import sys
 
 import jax
@@ -12,6 +9,7 @@ import pytest
 
 from car_jax.cli import distributed, main
 from car_jax.config import ConfigError
+from tests.multihost import run_processes, succeeded
 
 VARIABLES = (*distributed.TRIPLE, distributed.AUTO, distributed.LOCAL_IDS,
              "JAX_CPU_COLLECTIVES_IMPLEMENTATION")
@@ -154,31 +152,8 @@ print(f"process {rank} of {jax.process_count()}: sum {int(total)}", flush=True)
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_on_loopback_sum_across_each_other():
-    port = free_port()
-    base = {k: v for k, v in os.environ.items()
-            if k not in VARIABLES and "proxy" not in k.lower()}  # gRPC would use a proxy
-    base |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
-             "JAX_NUM_PROCESSES": "2"}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER], env=base | {"JAX_PROCESS_ID": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=90))
-    finally:
-        for proc in procs:  # a hang fails the test instead of blocking the suite
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, (proc, (out, err)) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, err[-3000:]
+    results = run_processes([sys.executable, "-c", WORKER], processes=2, devices=2, timeout=90)
+    succeeded(results)
+    for rank, (_, out, _) in enumerate(results):
         assert f"process {rank} of 2: sum {sum(range(1, 5))}" in out

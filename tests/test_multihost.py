@@ -3,10 +3,6 @@ the same run as 1 process x 8 devices: the per-step metrics, metrics.jsonl writt
 step by process 0, the exported final params; and both processes killed after step 1 and
 restarted resume to the same end."""
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,65 +12,7 @@ from car_jax.assets import smollm2_gguf
 from car_jax.models.api import load_tokenizer
 from car_jax.train.log import read_metrics
 from tests.hf_factory import build
-
-VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "CAR_JAX_DISTRIBUTED",
-             "JAX_LOCAL_DEVICE_IDS", "XLA_FLAGS")
-
-# `car-jax` itself, or (kill_at=N) the same command whose processes SIGKILL themselves when
-# step N starts, once step N-1's checkpoint is on disk: a crash of every process after a step
-LAUNCH = """
-import os, signal, sys
-from car_jax.cli import main
-kill_at = int(os.environ.get("TEST_KILL_AT_STEP", "0"))
-if kill_at:
-    from car_jax.train import trainer
-    step = trainer.Trainer.step
-    def dying_step(self, n, timer):
-        if n == kill_at:
-            self.ckpt.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return step(self, n, timer)
-    trainer.Trainer.step = dying_step
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args: list[str], processes: int, devices: int, kill_at: int = 0, timeout: int = 420):
-    """Runs `car-jax ARGS` as `processes` processes of `devices` CPU devices each; returns
-    [(returncode, stdout, stderr)] in process order."""
-    base = {k: v for k, v in os.environ.items() if k not in VARIABLES and "proxy" not in k.lower()}
-    base |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-             "TEST_KILL_AT_STEP": str(kill_at)}
-    if processes > 1:
-        port = free_port()
-        base |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(processes)}
-    procs = [subprocess.Popen([sys.executable, "-c", LAUNCH, *args],
-                              env=base | ({"JAX_PROCESS_ID": str(rank)} if processes > 1 else {}),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(processes)]
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, out, err))
-    finally:
-        for proc in procs:  # a hang fails the test instead of blocking the suite
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
-
-
-def succeeded(results):
-    for rank, (code, _, err) in enumerate(results):
-        assert code == 0, f"process {rank} exited {code}:\n{err[-4000:]}"
-
+from tests.multihost import launch, succeeded
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):

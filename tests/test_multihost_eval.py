@@ -12,7 +12,7 @@ import pytest
 from car_jax.assets import smollm2_gguf
 from car_jax.models.api import load_tokenizer
 from tests.hf_factory import build
-from tests.test_multihost import launch, succeeded
+from tests.multihost import launch, succeeded
 
 N_EXAMPLES = 6
 

@@ -2,12 +2,17 @@
 imports at the top of modules (function-local ones only in cli/, where start-up speed matters,
 and for an optional extra's package)."""
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "car_jax"
 POLICY_MODULE = "car_jax.models.policy"  # the one place that asks which backend runs
-EXTRA_MODULES = {"tensorflow_datasets"}  # a user-facing extra's package (tfds): imported where used
+# imported where used: a user-facing extra's package (tfds), and bm25s, whose import runs a JAX
+# computation (it would start the backend before a multi-process run's jax.distributed.initialize)
+EXTRA_MODULES = {"tensorflow_datasets", "bm25s"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -112,6 +117,19 @@ def _is_backend_query(node) -> bool:
     if isinstance(node, ast.Name) and node.id == "default_backend":
         return True
     return isinstance(node, ast.Attribute) and node.attr == "platform"
+
+
+def test_importing_the_package_leaves_the_backend_unstarted():
+    """A multi-process run calls jax.distributed.initialize after importing car_jax (the CLI,
+    or a user's script): no module may start the XLA backend when imported."""
+    code = ("import jax._src.xla_bridge as xb, pkgutil, importlib, car_jax\n"
+            "for m in pkgutil.walk_packages(car_jax.__path__, 'car_jax.'):\n"
+            "    if not m.name.split('.')[-1].startswith('_'): importlib.import_module(m.name)\n"
+            "print(sorted(xb._backends))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
 
 
 def test_imports_sit_at_the_top_outside_cli():

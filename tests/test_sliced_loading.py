@@ -6,8 +6,6 @@ whole-tensor load and reads every byte once; two real processes on loopback (4 C
 devices each, one fsdp=8 mesh) each read about half the file, hold the right slices, and
 save the checkpoint back with process 0 writing alone."""
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from car_jax.checkpoints.table import entries, hf_names
 from car_jax.models.config import ModelConfig
 from car_jax.sharding import flatten_params, make_mesh
 from tests.hf_factory import build
-from tests.test_distributed_startup import free_port
+from tests.multihost import run_processes, succeeded
 
 # d_model 128 so that weights, split over fsdp, outweigh the replicated norms and biases;
 # 8 heads and 4 kv heads of 16 divide over tp=4
@@ -145,10 +143,10 @@ def test_a_source_without_slices_reads_each_tensor_once(checkpoint):
 WORKER = """
 import json, sys
 import jax
-folder, out, port, rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank,
-                           coordinator_bind_address=f"127.0.0.1:{port}")
+from car_jax.cli import maybe_init_distributed
+assert maybe_init_distributed()
+folder, out = sys.argv[1], sys.argv[2]
+rank = jax.process_index()
 import numpy as np
 from safetensors.numpy import load_file
 from car_jax.checkpoints.loader import load_params, save_hf_folder
@@ -184,26 +182,10 @@ def test_two_processes_each_read_their_half_and_process_0_saves(tmp_path):
     cfg = read_config(folder)
     tensors = load_file(folder / "model.safetensors")
     total = sum(tensors[n].nbytes for e in entries(cfg) for n in hf_names(e, cfg))
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and "proxy" not in k.lower()}
-    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(folder), str(tmp_path), str(port), str(rank)],
-                              env=env, cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=180))
-    finally:
-        for proc in procs:  # a hang fails the test instead of blocking the suite
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    results = []
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-3000:]
-        results.append(json.loads(out.split("RESULT ", 1)[1]))
+    outputs = run_processes([sys.executable, "-c", WORKER, str(folder), str(tmp_path)], processes=2, devices=4,
+                            timeout=180)
+    succeeded(outputs)
+    results = [json.loads(out.split("RESULT ", 1)[1]) for _, out, _ in outputs]
     print("total tensor bytes", total, "read per process", [r["bytes_read"] for r in results])
     for r in results:
         assert r["shards"] == 4 * len(entries(cfg))  # each of its 4 devices holds a slice of every param

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from car_jax import hosts
 from car_jax import sharding as shd
 from car_jax.checkpoints.convert import is_params_folder, load_params_folder
 from car_jax.checkpoints.gguf_io import GGUFFile
@@ -89,9 +90,10 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
 
 def save_hf(model: Model, out_dir: str | os.PathLike, *, dtype=None, with_tokenizer: bool = True) -> Path:
     """Writes `model` as an HF folder (config.json, safetensors) that transformers loads;
-    the tokenizer of the model's source is written beside it when there is one."""
+    the tokenizer of the model's source is written beside it when there is one. With several
+    processes every process calls it (the weights are gathered) and process 0 writes."""
     out = save_hf_folder(model.params, model.config, out_dir, dtype=None if dtype is None else as_dtype(dtype))
-    if with_tokenizer and model.source is not None:
+    if with_tokenizer and model.source is not None and hosts.is_writer():  # several processes: process 0 writes
         try:
             load_tokenizer(model.source).save_pretrained(str(out))
         except (OSError, ValueError):  # a weights-only source has no tokenizer to carry over

@@ -3,14 +3,16 @@
 Docs are tokenized as their whole `contents` (title line included); queries with the same
 tokenizer. Query words absent from the corpus vocabulary are ignored, so an empty, foreign
 or out-of-vocabulary query returns zero-score docs instead of failing.
+
+`bm25s` is imported where it is used: importing it runs a JAX computation (its selection
+module calls `jax.lax.top_k` when JAX is installed), which starts the XLA backend, and a
+multi-process run must call `jax.distributed.initialize` before that happens.
 """
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 from typing import Sequence
-
-import bm25s
 
 from car_jax.tools.corpus import Doc
 from car_jax.tools.retriever import Retriever
@@ -27,6 +29,7 @@ class BM25Options:
 
 
 def _tokenize(texts: list[str], options: BM25Options, as_ids: bool, progress: bool = False):
+    import bm25s
     return bm25s.tokenize(
         texts, stopwords=options.stopwords, return_ids=as_ids, show_progress=progress
     )
@@ -34,6 +37,7 @@ def _tokenize(texts: list[str], options: BM25Options, as_ids: bool, progress: bo
 
 def build_bm25(texts: list[str], options: BM25Options, progress: bool = True):
     """Corpus texts [N] -> a fitted bm25s.BM25."""
+    import bm25s
     model = bm25s.BM25(k1=options.k1, b=options.b, method=options.method)
     model.index(_tokenize(texts, options, as_ids=True, progress=progress), show_progress=progress)
     return model
@@ -49,6 +53,7 @@ def load_bm25(folder: str | Path):
         raise FileNotFoundError(
             f"no BM25 index at {path}; build one with `car-jax build-index --backend bm25`"
         )
+    import bm25s
     return bm25s.BM25.load(str(path), show_progress=False)
 
 

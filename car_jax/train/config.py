@@ -13,6 +13,9 @@ import dataclasses
 import math
 from typing import Any, Literal, Sequence
 
+import jax
+
+from car_jax import hosts
 from car_jax.calibration.rewards import RewardConfig
 from car_jax.config import ConfigError, require
 from car_jax.data.prompts import TEMPLATES
@@ -21,6 +24,7 @@ from car_jax.rl.grpo import LossConfig
 from car_jax.rl.steps import OptimConfig
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
+from car_jax.sharding import make_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +72,8 @@ class MeshConfig:
     def build(self):
         """The (fsdp, tp) jax Mesh over the picked devices of `jax.devices()`; None with one
         device. With several processes the mesh must span all of them (`hosts.check_mesh`)."""
-        import jax
-
-        import car_jax
-        from car_jax import hosts
         devices = self.pick(jax.devices())
-        mesh = car_jax.make_mesh(self.fsdp, self.tp, devices) if len(devices) > 1 else None
+        mesh = make_mesh(self.fsdp, self.tp, devices) if len(devices) > 1 else None
         hosts.check_mesh(mesh)
         return mesh
 

@@ -9,8 +9,12 @@ import pytest
 from safetensors.numpy import load_file
 
 from car_jax.assets import smollm2_gguf
+from car_jax.config import load_config
 from car_jax.models.api import load_tokenizer
+from car_jax.sharding import flatten_params, params_shardings
+from car_jax.train.config import TrainConfig
 from car_jax.train.log import read_metrics
+from car_jax.train.trainer import Trainer
 from tests.hf_factory import build
 from tests.multihost import launch, succeeded
 
@@ -77,3 +81,16 @@ def test_two_processes_train_like_one_and_resume_after_a_kill(tiny_folder, tmp_p
     assert_same_run(one, killed, tiny_folder)
     summary = json.loads((killed / "last_step.json").read_text())
     assert summary["step"] == 2
+
+
+def test_the_sft_result_keeps_the_sharding_table_layout(tiny_folder, tmp_path):
+    """The SFT warm start's params come back in the table's shardings (the jitted SFT step
+    lays its outputs out as the compiler likes): on a mesh over several processes the train
+    step refuses any other layout of its inputs."""
+    args = [a for a in train_args(tiny_folder, tmp_path)[1:] if not a.startswith("sft.")]
+    trainer = Trainer(load_config(TrainConfig, None, [*args, "sft.steps=1", "sft.batch=8", "sft.data=world"]))
+    params = flatten_params(trainer.s.state.params)
+    want = flatten_params(params_shardings(trainer.s.state.params, trainer.s.model.mesh))
+    assert [p for p, x in params.items() if not x.sharding.is_equivalent_to(want[p], x.ndim)] == []
+    trainer.s.toolbox.close()
+    trainer.warm_ckpt.close()

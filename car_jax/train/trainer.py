@@ -105,8 +105,12 @@ class Trainer:
                 shutil.rmtree(self.warm_ckpt.directory)
             hosts.sync("warm_start removed")
             self.warm_ckpt = TrainCheckpointer(self.dir / "warm_start", keep=1, async_save=False)
-        self.warm_ckpt.save(cfg.sft.steps, {"params": state.params}, {"sft_steps": cfg.sft.steps})
-        return state.params
+        # in the sharding table's layout again: the SFT step's outputs are laid out as the
+        # compiler chose, and a jitted train step refuses other layouts of its inputs when the
+        # mesh spans several processes
+        params = jax.device_put(state.params, jax.tree.map(lambda x: x.sharding, s.state.params))
+        self.warm_ckpt.save(cfg.sft.steps, {"params": params}, {"sft_steps": cfg.sft.steps})
+        return params
 
     @staticmethod
     def _logger(run_dir, **kwargs):

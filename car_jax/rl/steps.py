@@ -214,22 +214,47 @@ def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
     return {k: (rows2 if k in ("advantages", "prompt_index") else rows3) for k in BATCH_KEYS}
 
 
-@functools.lru_cache(maxsize=8)
-def make_logprob_fn(module: Decoder, temperature: float, chunk: int = 128):
+def make_logprob_fn(module: Decoder, temperature: float, chunk: int = 128, mesh: Mesh | None = None,
+                    params_shardings=None):
     """Jitted (params, batch [M, b, ...] as `batches.micro_batches` lays it out) -> logp
     float32[M, b, R] (reference and old-policy log-probs, no gradient). The micro-batches
     run one after another inside one call (`lax.map`): one dispatch, and on CPU one
     temporary buffer (page-faulted in once) for the whole batch rather than one per
-    micro-batch."""
+    micro-batch. With a mesh the pass is pinned to the train step's layout: it takes params
+    in `params_shardings` (the train state's, the table's train layout) and the batch rows
+    over fsdp (`batch_shardings`), and returns logp rows over fsdp, P(None, 'fsdp', None),
+    so each device runs its own rows. Without one, the jitted function is shared by equal
+    (module, temperature, chunk)."""
+    if mesh is None:
+        return _unsharded_logprob_fn(module, temperature, chunk)
+    if params_shardings is None:
+        raise ValueError("make_logprob_fn on a mesh needs params_shardings (the train state's params shardings)")
+    return _build_logprob_fn(module, temperature, chunk, mesh, params_shardings)
+
+
+@functools.lru_cache(maxsize=8)
+def _unsharded_logprob_fn(module, temperature, chunk):
+    return _build_logprob_fn(module, temperature, chunk, None, None)
+
+
+def _build_logprob_fn(module, temperature, chunk, mesh, params_shardings):
     def fn(params, batch):
         return jax.lax.map(lambda micro: micro_logprobs(module, params, micro, temperature, chunk)[0], batch)
-    return jax.jit(fn)
+
+    if mesh is None:
+        return jax.jit(fn)
+    logp = NamedSharding(mesh, P(None, "fsdp", None))  # float32[M, b, R]
+    return jax.jit(fn, in_shardings=(params_shardings, batch_shardings(mesh)), out_shardings=logp)
 
 
-def make_sft_step(module: Decoder, optimizer: optax.GradientTransformation):
-    """Jitted supervised warm-start step: token-mean cross-entropy on the masked response
-    tokens of a batch (prompt, prompt_valid, prompt_index, tokens, valid, mask; see
-    BATCH_KEYS), micro-batches summed exactly (`accumulate`)."""
+def make_sft_step(module: Decoder, optimizer: optax.GradientTransformation, mesh: Mesh | None = None,
+                  state_shardings=None):
+    """Jitted supervised warm-start step `step(state, batch) -> (state, metrics)`, state
+    donated: token-mean cross-entropy on the masked response tokens of a batch (prompt,
+    prompt_valid, prompt_index, tokens, valid, mask; see BATCH_KEYS), micro-batches summed
+    exactly (`accumulate`). With a mesh, as the train step: batch rows over fsdp and the
+    state in and out in `state_shardings` (so the params come back in the table's layout,
+    not the compiler's choice)."""
     def micro_loss(params, micro, norm):
         logp, _ = micro_logprobs(module, params, micro)
         return -grpo.aggregate(logp, micro["mask"], "token-mean", norm), {}
@@ -238,4 +263,9 @@ def make_sft_step(module: Decoder, optimizer: optax.GradientTransformation):
         grads, _, loss = accumulate(module, micro_loss, state.params, batch)
         return _apply(optimizer, state, grads), {"sft_loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-    return jax.jit(step, donate_argnums=0)
+    if mesh is None:
+        return jax.jit(step, donate_argnums=0)
+    if state_shardings is None:
+        raise ValueError("make_sft_step on a mesh needs state_shardings (`steps.state_shardings(state)`)")
+    return jax.jit(step, in_shardings=(state_shardings, batch_shardings(mesh)),
+                   out_shardings=(state_shardings, None), donate_argnums=0)

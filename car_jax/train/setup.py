@@ -70,6 +70,7 @@ def build_setup(cfg: TrainConfig) -> Setup:
     protocol, tool_kind = PROTOCOLS[cfg.rollout.protocol]
     model.params = None  # the policy's params live in `state` (donated each step)
     return Setup(model=model, tokenizer=tokenizer, state=state, ref_params=ref_params, train_step=step_fn,
-                 logprob_fn=make_logprob_fn(model.module, temperature),
+                 logprob_fn=make_logprob_fn(model.module, temperature, mesh=mesh,
+                                            params_shardings=state_shardings(state).params if mesh else None),
                  score=make_scorer(reward_fn(cfg.reward), cfg.rl.adv_std_norm, mesh),
                  toolbox=open_tools(tool_kind, cfg.tools), protocol=protocol())

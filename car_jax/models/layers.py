@@ -4,7 +4,9 @@ q/k/v (and o, mlp) biases, optional Qwen3 q/k RMSNorm over the head dim.
 
 `dtype` is the compute dtype, `param_dtype` the storage dtype of the weights; norms,
 softmax and RoPE run in float32. `transpose` is how the hand-written backward passes
-transpose a matmul operand (the execution policy's; `models.policy`).
+transpose a matmul operand, `attention` which attention runs over a chunk of T tokens and
+S keys (`models.flash`: the plain dense one, or a blockwise one for long chunks); both
+are the execution policy's (`models.policy`).
 Letters: see `car_jax.dims`.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax.models.config import ModelConfig
+from car_jax.models.flash import DENSE, NEG, dense_attention
 from car_jax.models.fused import dot32, softmax, swiglu
 
 Dtype = Any
@@ -90,6 +93,7 @@ class Attention(nn.Module):
     dtype: Dtype
     param_dtype: Dtype
     transpose: Callable = jnp.transpose
+    attention: Any = DENSE  # a `models.flash` variant: where it `handles(T, S)`, it runs
 
     def _p(self, name, shape, init=_init):
         return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
@@ -100,11 +104,11 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, mask, kv, index):
         """x [B, T, D]; positions int32[B, T]; mask bool[B, T, S'] (which keys each query
-        sees). Without a cache (kv None) the keys are this chunk's own (S' = T). With one,
-        kv is this layer's view of the cache (`cache.LayerKV` or `cache.StackedKV`): the
-        chunk's keys and values are first written at slots [index, index + T), then every
-        query attends over the layer's S slots (S' = S), reading the cache in place.
-        Returns (y [B, T, D], the updated view or None)."""
+        sees: a slot mask, `flash.slot_mask`). Without a cache (kv None) the keys are this
+        chunk's own (S' = T). With one, kv is this layer's view of the cache
+        (`cache.LayerKV` or `cache.StackedKV`): the chunk's keys and values are first written
+        at slots [index, index + T), then every query attends over the layer's S slots
+        (S' = S), reading the cache in place. Returns (y [B, T, D], the updated view or None)."""
         c = self.cfg
         n, k_heads, h, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
         dense_ = partial(dense, dtype=self.dtype, transpose=self.transpose)
@@ -130,13 +134,14 @@ class Attention(nn.Module):
             return y + self._p("o_bias", (d,), nn.initializers.zeros) if c.out_bias else y
 
         q = q.reshape(b, t, k_heads, c.n_groups, h) * (h ** -0.5)  # [B, T, K, G, H]
-        neg = jnp.finfo(jnp.float32).min
         if kv is None:
-            scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-            probs = softmax(jnp.where(mask[:, None, None], scores, neg)).astype(self.dtype)
-            return project(jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)), None
+            out = self.attention(q, k, v, mask, 0) if self.attention.handles(t, t) else dense_attention(q, k, v, mask)
+            return project(out), None
         # write first, then read the layer's whole cache: the buffers are updated in place
         keys, values, kv = kv.write(k.transpose(0, 2, 3, 1), v.swapaxes(1, 2), index)  # [B, K, H, S], [B, K, S, H]
+        if self.attention.handles(t, values.shape[2]):  # a long chunk (training, prefill), never a decode step
+            out = self.attention(q.astype(keys.dtype), keys.transpose(0, 3, 1, 2), values.swapaxes(1, 2), mask, index)
+            return project(out.astype(self.dtype)), kv
         # queries as [B, K, T*G, H], so both products are plain batched matmuls over the
         # cache: [T*G, H] @ [H, S] and [T*G, S] @ [S, H] (for a decode step, T = 1, the
         # transposes of q and of the output are free). They run in the cache's dtype,
@@ -148,7 +153,7 @@ class Attention(nn.Module):
         # (a reshape between them made autodiff keep both a [B, K, T, G, S] and a
         # [B, K, T*G, S] copy of the probabilities for the backward pass)
         mask = jnp.broadcast_to(mask[:, None, :, None, :], (b, 1, t, g, s)).reshape(b, 1, t * g, s)
-        probs = softmax(jnp.where(mask, scores, neg)).astype(cd)
+        probs = softmax(jnp.where(mask, scores, NEG)).astype(cd)
         out = jnp.matmul(probs, values).astype(self.dtype)  # [B, K, T*G, H]
         return project(out.reshape(b, k_heads, t, g, h).transpose(0, 2, 1, 3, 4)), kv
 
@@ -184,6 +189,7 @@ class Block(nn.Module):
     dtype: Dtype
     param_dtype: Dtype
     transpose: Callable = jnp.transpose
+    attention: Any = DENSE  # the policy's attention variant (`models.flash`)
 
     @nn.compact
     def __call__(self, x, positions, mask, kv, index):
@@ -191,7 +197,8 @@ class Block(nn.Module):
         c = self.cfg
         ones = nn.initializers.ones
         h = rms_norm(x, self.param("input_norm", ones, (c.d_model,), self.param_dtype), c.norm_eps, self.dtype)
-        attn, kv = Attention(c, self.dtype, self.param_dtype, self.transpose, name="attn")(h, positions, mask, kv, index)
+        attention = Attention(c, self.dtype, self.param_dtype, self.transpose, self.attention, name="attn")
+        attn, kv = attention(h, positions, mask, kv, index)
         x = x + attn
         h = rms_norm(x, self.param("post_attn_norm", ones, (c.d_model,), self.param_dtype), c.norm_eps, self.dtype)
         x = x + Mlp(c, self.dtype, self.param_dtype, self.transpose, name="mlp")(h)

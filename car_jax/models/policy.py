@@ -4,15 +4,22 @@ An `ExecutionPolicy` is a frozen, hashable set of variants (small objects and pl
 functions): how the layers iterate and the KV cache is laid out, how backward passes
 transpose matmul operands, how sums over the vocabulary, the tied unembedding, greedy
 picks and sampling draws are computed, the cache dtype, and the default number of decode
-stages. It is a static field of `Decoder`, so it is part of every jit cache key, and
-model code calls it (`module.policy.layers.cached(...)`, `module.policy.draw(...)`)
-rather than testing the backend.
+stages, and which attention runs over a long chunk of tokens (`models.flash`). It is a
+static field of `Decoder`, so it is part of every jit cache key, and model code calls it
+(`module.policy.layers.cached(...)`, `module.policy.draw(...)`) rather than testing the
+backend.
 
 `PLAIN` is the accelerator path, plain JAX: layers scanned over stacked weights in
 training, prefill and decode with one stacked cache (`models.stacked`), `.T`, `sum`,
 `einsum`, `argmax`, `jax.random.categorical`, the cache in the compute dtype, one decode
-stage. `XLA_CPU` swaps in the XLA:CPU layouts and kernels of `models.xla_cpu`, each the
-same numbers as its plain counterpart. `Decoder(cfg)` built without a policy gets
+stage, and blockwise (flash) attention for chunks of at least `LONG_SCORES` scores per
+head (`ACCELERATOR_ATTENTION`: long prompts and responses; never a decode step), the
+dense one below. `XLA_CPU` swaps in the XLA:CPU layouts and kernels of `models.xla_cpu`,
+each the same numbers as its plain counterpart, and runs dense attention up to a larger
+size (`CPU_ATTENTION`). The attention variant reaches the layers of the prompt-sharing
+train forward (`models.prompt_forward`, what the train steps and log-prob passes run);
+`Decoder.__call__` (full forward, prefill) still builds its layers without it, so runs
+dense. `Decoder(cfg)` built without a policy gets
 `PLAIN`; `load_model` asks `backend_policy()`, the one place in car_jax that tests
 which backend runs.
 """
@@ -25,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from car_jax.models import xla_cpu
+from car_jax.models import flash, xla_cpu
 from car_jax.models.cache import KVCache
 from car_jax.models.config import ModelConfig
 from car_jax.models.stacked import SCANNED
@@ -56,6 +63,31 @@ def compute_dtype_cache(compute_dtype) -> jnp.dtype:
     return jnp.dtype(compute_dtype)
 
 
+# Attention over a chunk of T tokens and S keys. The dense one holds float32 scores
+# [B, N, T, S] (and keeps the probabilities for the backward pass); from T = S = 1024 on
+# (4 MiB per head and row) the accelerator policy runs the blockwise one, whose memory is
+# linear in T. The threshold is a memory choice, not a measured crossover: no accelerator
+# has timed the two yet.
+LONG_SCORES = 1024 * 1024
+ACCELERATOR_ATTENTION = flash.Blockwise(block_q=512, block_k=512, min_scores=LONG_SCORES)
+# XLA:CPU, timed on 2 cores (BENCHMARKS.md, "Training attention memory"): the train forward
+# and backward of a SmolLM2-wide model after a 1024-token prompt took about as long either
+# way, after a 2048-token prompt 1.2-1.4x less with blockwise attention. The CPU tests and
+# the demo run shorter sequences, so they keep the dense path.
+CPU_ATTENTION = flash.Blockwise(block_q=512, block_k=512, min_scores=2048 * 2048)
+# The hooks for the platforms' own kernels, each a variant with `handles` / `__call__`:
+# - GPU: `flash.Fused("cudnn")`, jax.nn.dot_product_attention on cuDNN's flash kernel,
+#   wired but never run on a GPU, so no backend gets it by default: a GPU policy is
+#   `dataclasses.replace(PLAIN, attention=CUDNN_ATTENTION)`. The model's masks reach it as
+#   a [B, 1, T, S] bias (see `flash.Fused`), not its linear-memory length masks.
+# - TPU: the Pallas splash kernel (jax.experimental.pallas.ops.tpu.splash_attention) would
+#   be a variant taking `key_ok` (the mask's last row, as `flash.Blockwise` does) as kv
+#   segment ids (queries all in segment 1) and a causal mask at the chunk's offset: valid
+#   queries then see what they see here (a padded query loses its own slot: its output,
+#   which no valid token reads, differs). Not written: no TPU here.
+CUDNN_ATTENTION = flash.Fused(implementation="cudnn", min_scores=LONG_SCORES)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExecutionPolicy:
     name: str = "plain"
@@ -67,6 +99,7 @@ class ExecutionPolicy:
     draw: Callable = categorical  # (scaled logits [B, V], key) -> int32[B] (sampling)
     cache_dtype: Callable = compute_dtype_cache  # compute dtype -> KV-cache dtype
     decode_stages: int = 1  # decode stages of a segment by default (`generate.decode_windows`)
+    attention: Any = ACCELERATOR_ATTENTION  # a `models.flash` variant, for chunks it `handles(T, S)`
 
     def init_cache(self, cfg: ModelConfig, batch_size: int, capacity: int, compute_dtype,
                    mesh: Mesh | None = None) -> KVCache:
@@ -97,6 +130,7 @@ XLA_CPU = ExecutionPolicy(
     draw=xla_cpu.inverse_cdf,
     cache_dtype=xla_cpu.float32_cache,
     decode_stages=4,  # each stage reads fewer cache slots; each is one more loop to compile
+    attention=CPU_ATTENTION,
 )
 
 

@@ -18,14 +18,8 @@ import jax.numpy as jnp
 
 from car_jax.models.cache import LayerKV
 from car_jax.models.decoder import Decoder
+from car_jax.models.flash import slot_mask
 from car_jax.models.layers import rms_norm
-
-
-def _causal(valid: jax.Array) -> jax.Array:
-    """valid bool[B, T] -> bool[B, T, T]: query t sees valid keys s <= t, and always itself."""
-    t = valid.shape[1]
-    slot = jnp.arange(t)
-    return ((slot[None, :] <= slot[:, None])[None] & valid[:, None, :]) | jnp.eye(t, dtype=bool)[None]
 
 
 def prompt_response_hidden(module: Decoder, params, prompt: jax.Array, prompt_valid: jax.Array,
@@ -37,8 +31,9 @@ def prompt_response_hidden(module: Decoder, params, prompt: jax.Array, prompt_va
     Returns (last [B, D], hidden [B, R, D]), final-normed in the compute dtype: the hidden
     state at each row's last prompt token (it predicts the first response token) and at
     each response token. The layers run as `module.policy.layers.over_layers` says (the
-    plain policy: a `lax.scan` over the stacked layers); `module.remat` recomputes each
-    layer in the backward pass."""
+    plain policy: a `lax.scan` over the stacked layers), attention as
+    `module.policy.attention` says (long prompts and responses: blockwise, `models.flash`);
+    `module.remat` recomputes each layer in the backward pass."""
     c, dt = module.cfg, module.dtype
     u, p_len = prompt.shape
     b, r = tokens.shape
@@ -51,10 +46,10 @@ def prompt_response_hidden(module: Decoder, params, prompt: jax.Array, prompt_va
     # RoPE positions count valid tokens only; a response continues after its prompt's
     pos_p = jnp.maximum(jnp.cumsum(prompt_valid, axis=1) - 1, 0)
     pos_r = take(prompt_valid.sum(axis=1))[:, None] + jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-    mask_p = _causal(prompt_valid)  # [U, P, P]
-    mask_r = jnp.concatenate([jnp.broadcast_to(take(prompt_valid)[:, None, :], (b, r, p_len)),
-                              _causal(valid)], axis=-1)  # [B, R, P + R]: the prompt, then causal
-    block = module.block()
+    mask_p = slot_mask(prompt_valid, 0, p_len)  # [U, P, P]: causal over valid keys
+    # [B, R, P + R]: the prompt's valid keys, then causal over the response's own
+    mask_r = slot_mask(jnp.concatenate([take(prompt_valid), valid], axis=1), p_len, r)
+    block = module.block().clone(attention=module.policy.attention)
     k_heads, h = c.n_kv_heads, c.head_dim
     cd = module.policy.cache_dtype(dt)
     empty = LayerKV(jnp.zeros((u, k_heads, h, p_len), cd), jnp.zeros((u, k_heads, p_len, h), cd))

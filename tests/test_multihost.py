@@ -3,6 +3,7 @@ the same run as 1 process x 8 devices: the per-step metrics, metrics.jsonl writt
 step by process 0, the exported final params; and both processes killed after step 1 and
 restarted resume to the same end."""
 import json
+import signal
 
 import numpy as np
 import pytest
@@ -75,7 +76,9 @@ def test_two_processes_train_like_one_and_resume_after_a_kill(tiny_folder, tmp_p
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
 
     crashed = launch(train_args(tiny_folder, killed), processes=2, devices=4, kill_at=2)
-    assert [code for code, _, _ in crashed] == [-9, -9]
+    # each process SIGKILLs itself; one that is slower to get there may be aborted first by
+    # JAX's runtime, which stops a process whose peer died (SIGABRT): killed either way
+    assert all(code in (-signal.SIGKILL, -signal.SIGABRT) for code, _, _ in crashed), [c for c, _, _ in crashed]
     assert [r["step"] for r in read_metrics(killed)] == [1] and not (killed / "hf").exists()
     succeeded(launch(train_args(tiny_folder, killed), processes=2, devices=4))
     assert_same_run(one, killed, tiny_folder)

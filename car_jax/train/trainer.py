@@ -33,7 +33,7 @@ from car_jax.data import load_dataset, make_prompt, world_retriever
 from car_jax.models.api import Model
 from car_jax.rl.batches import TrainBatch, chunked_logprobs, micro_batches, share_prompts, to_device
 from car_jax.rl.host_batch import HostBatch, host_batch, longest, micro_plan
-from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step
+from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step, state_shardings
 from car_jax.rollout.episode import EpisodeStats, run_episodes
 from car_jax.train.config import TrainConfig
 from car_jax.train.log import MetricsLogger, NullLogger, Timer
@@ -96,7 +96,8 @@ class Trainer:
         state = init_state(jax.tree.map(jnp.copy, s.state.params), opt, s.model.mesh)
         with self._logger(self.dir / "sft", tensorboard=False, total_steps=cfg.sft.steps, desc="sft",
                           show=("sft_loss",)) as log:
-            state, _ = run_sft(state, make_sft_step(s.model.module, opt), trajs, steps=cfg.sft.steps,
+            step_fn = make_sft_step(s.model.module, opt, s.model.mesh, state_shardings(state) if s.model.mesh else None)
+            state, _ = run_sft(state, step_fn, trajs, steps=cfg.sft.steps,
                                batch=cfg.sft.batch, pad_id=s.tokenizer.pad_token_id or 0, seed=cfg.seed,
                                log=lambda step, loss: log.log(step, {"sft_loss": loss}), mesh=s.model.mesh)
         if self.warm_ckpt.all_steps():  # another sft.steps' result, or resume off: stale
@@ -105,12 +106,10 @@ class Trainer:
                 shutil.rmtree(self.warm_ckpt.directory)
             hosts.sync("warm_start removed")
             self.warm_ckpt = TrainCheckpointer(self.dir / "warm_start", keep=1, async_save=False)
-        # in the sharding table's layout again: the SFT step's outputs are laid out as the
-        # compiler chose, and a jitted train step refuses other layouts of its inputs when the
-        # mesh spans several processes
-        params = jax.device_put(state.params, jax.tree.map(lambda x: x.sharding, s.state.params))
-        self.warm_ckpt.save(cfg.sft.steps, {"params": params}, {"sft_steps": cfg.sft.steps})
-        return params
+        # the SFT step keeps the sharding table's layout (a jitted train step over several
+        # processes refuses any other layout of its inputs)
+        self.warm_ckpt.save(cfg.sft.steps, {"params": state.params}, {"sft_steps": cfg.sft.steps})
+        return state.params
 
     @staticmethod
     def _logger(run_dir, **kwargs):

@@ -218,3 +218,47 @@ def test_train_step_equals_with_blockwise_attention(params):
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g2)) > 1e-3
     for k in m1:
         _close(m1[k], m2[k])
+
+
+RAN = []  # the T of every chunk a `Recording` variant ran, appended at trace time
+
+
+@dataclasses.dataclass(frozen=True)
+class Recording(flash.Blockwise):
+    """`flash.Blockwise` that notes each chunk it runs: proof the policy's variant is wired."""
+
+    def __call__(self, q, k, v, mask, offset):
+        RAN.append(q.shape[1])
+        return super().__call__(q, k, v, mask, offset)
+
+
+@pytest.mark.parametrize("base", [PLAIN, XLA_CPU], ids=lambda p: p.name)
+def test_decoder_forward_and_prefill_equal_with_blockwise_attention(params, base):
+    """`Decoder.__call__` under each layer layout: the full forward (left-padded rows and
+    holes) and a cached prefill of 11 tokens, a second chunk of 5 at a traced index and
+    one decode step give the same logits and cache with blockwise attention forced (blocks
+    dividing neither T nor S) as with dense; the blockwise variant runs for the forward
+    and both chunks, not for the decode step."""
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, V, (B, 16)), jnp.int32)
+    valid = jnp.asarray(_key_ok(16, rng)).at[3].set(True)  # every row some valid token: logits to compare
+
+    def run(attention):
+        module = Decoder(CFG, policy=dataclasses.replace(base, attention=attention))
+        apply = jax.jit(lambda *a: module.apply({"params": params}, *a))
+        full, _ = apply(tokens, valid)
+        cache = module.policy.init_cache(CFG, B, 24, jnp.float32)
+        first, cache = apply(tokens[:, :11], valid[:, :11], cache)
+        second, cache = apply(tokens[:, 11:], valid[:, 11:], cache)
+        step, cache = apply(tokens[:, :1], jnp.ones((B, 1), bool), cache)
+        return full, first, second, step, cache
+
+    RAN.clear()
+    got = run(Recording(4, 5, min_scores=0))
+    assert sorted(set(RAN)) == [5, 11, 16], RAN  # traced once per layer scan, or once per layer
+    want = run(flash.DENSE)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        if a.dtype == bool:  # the cache's valid slots
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:
+            _close(a, b)

@@ -5,7 +5,9 @@ One module computes what the Hugging Face model computes: the layers of
 are stacked (params["layers"] carries a leading L axis, created by an `nn.scan`). How
 the layers run is the execution policy's (`models.policy`, a static field): the plain
 policy scans them in every mode (`models.stacked`); a policy may run them otherwise
-(`models.xla_cpu`) with the same numbers.
+(`models.xla_cpu`) with the same numbers. Attention over a long chunk (the full forward,
+a prefill) is the policy's too (`policy.attention`, `models.flash`): blockwise, never
+holding [T, S] scores; a decode step (T = 1) keeps the plain matmuls over the cache.
 
 `dtype` is the compute dtype, `param_dtype` the storage dtype of the weights; norms,
 softmax and RoPE run in float32, logits are returned in float32.
@@ -46,7 +48,7 @@ class Decoder(nn.Module):
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.n_layers,
             unroll=self.unroll,
-        )(c, self.dtype, self.param_dtype, self.policy.transpose, name="layers")
+        )(c, self.dtype, self.param_dtype, self.policy.transpose, self.policy.attention, name="layers")
         self.embed = self.param("embed", _init, (c.vocab_size, c.d_model), self.param_dtype)
         self.final_norm = self.param("final_norm", nn.initializers.ones, (c.d_model,), self.param_dtype)
         if not c.tie_embeddings:
@@ -54,7 +56,8 @@ class Decoder(nn.Module):
 
     def block(self) -> Block:
         """One layer as an unbound module, to apply to one layer's params."""
-        return Block(self.cfg, self.dtype, self.param_dtype, self.policy.transpose, parent=None)
+        return Block(self.cfg, self.dtype, self.param_dtype, self.policy.transpose, self.policy.attention,
+                     parent=None)
 
     def __call__(self, tokens, valid=None, cache: KVCache | None = None, *, return_hidden=False):
         """Causal forward over a chunk of T tokens per row.

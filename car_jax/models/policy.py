@@ -17,9 +17,9 @@ head (`ACCELERATOR_ATTENTION`: long prompts and responses; never a decode step),
 dense one below. `XLA_CPU` swaps in the XLA:CPU layouts and kernels of `models.xla_cpu`,
 each the same numbers as its plain counterpart, and runs dense attention up to a larger
 size (`CPU_ATTENTION`). The attention variant reaches the layers of the prompt-sharing
-train forward (`models.prompt_forward`, what the train steps and log-prob passes run);
-`Decoder.__call__` (full forward, prefill) still builds its layers without it, so runs
-dense. `Decoder(cfg)` built without a policy gets
+train forward (`models.prompt_forward`, what the train steps and log-prob passes run)
+and of `Decoder.__call__` (full forward, prefill; decode steps stay dense).
+`Decoder(cfg)` built without a policy gets
 `PLAIN`; `load_model` asks `backend_policy()`, the one place in car_jax that tests
 which backend runs.
 """
@@ -139,3 +139,9 @@ def backend_policy(backend: str | None = None) -> ExecutionPolicy:
     PLAIN on every other."""
     backend = jax.default_backend() if backend is None else backend
     return XLA_CPU if backend == "cpu" else PLAIN
+
+
+def device_kind() -> str:
+    """What chip jax runs on: the first device's `device_kind` ("TPU v5 lite", "NVIDIA
+    H100 80GB HBM3", "cpu"), for the chip table of `train.flops` (MFU)."""
+    return jax.devices()[0].device_kind

@@ -31,10 +31,12 @@ from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
 from car_jax.config import save_config
 from car_jax.data import load_dataset, make_prompt, world_retriever
 from car_jax.models.api import Model
+from car_jax.models.policy import device_kind
 from car_jax.rl.batches import TrainBatch, chunked_logprobs, micro_batches, share_prompts, to_device
 from car_jax.rl.host_batch import HostBatch, host_batch, longest, micro_plan
 from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step, state_shardings
 from car_jax.rollout.episode import EpisodeStats, run_episodes
+from car_jax.train import flops
 from car_jax.train.config import TrainConfig
 from car_jax.train.log import MetricsLogger, NullLogger, Timer
 from car_jax.train.setup import Setup, build_setup
@@ -229,7 +231,19 @@ class Trainer:
         batch, rewards = self.s.score(to_device(host, self.s.model.mesh))
         train_metrics = self.update(batch, hosts.allgather(host.prompt_of), timer, step)
         split = timer.split()
-        return {**self._rollout_metrics(trajs, host, rewards, stats, split), **train_metrics, **split}
+        perf = self._perf_metrics(trajs, host, split["time/step"])
+        return {**self._rollout_metrics(trajs, host, rewards, stats, split), **train_metrics, **split, **perf}
+
+    def _perf_metrics(self, trajs, host: HostBatch, seconds: float) -> dict[str, float]:
+        """Model TFLOP/s per device and MFU of the step (`train.flops`), over every process's rows."""
+        cfg, mesh = self.cfg, self.s.model.mesh
+        update = flops.update_counts(host.prompts_valid, host.prompt_of, host.valid)
+        rollout = flops.rollout_counts([len(t.prompt_ids) for t in trajs], [len(t.response_ids) for t in trajs],
+                                       [int(t.loss_mask.sum()) for t in trajs])
+        passes = int(bool(cfg.rl.loss.kl_coef)) + int(bool(cfg.rl.recompute_old_logp))
+        local = flops.step_flops(self.s.model.config, update, rollout, cfg.rl.epochs, passes)
+        total = float(hosts.allgather(np.array([local])).sum())
+        return flops.perf_metrics(total, seconds, mesh.size if mesh is not None else 1, device_kind())
 
     @staticmethod
     def _rollout_metrics(trajs, host: HostBatch, rewards, stats: EpisodeStats, split: dict) -> dict[str, float]:

@@ -54,6 +54,9 @@ def _row_blocks(n: int, mesh: Mesh) -> dict[int, tuple[int, int]]:
             raise ValueError(f"process {proc}'s devices hold rows {sorted(rows)[:8]}... of {n}, not one block: "
                              "order the mesh's devices by process (car_jax.make_mesh of jax.devices() does)")
         out[proc] = (lo, hi)
+    if sum(hi - lo for lo, hi in out.values()) != n:  # a tp group across processes: shared rows
+        raise ValueError(f"the {n} rows of a step are held by more than one process each (mesh {dict(mesh.shape)}); "
+                         "keep each tp group within one host (tp at most the devices of a process)")
     return out
 
 

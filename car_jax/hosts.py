@@ -109,12 +109,8 @@ def fetch_local(x: jax.Array, mesh: Mesh | None) -> np.ndarray:
     rows = local_rows(x.shape[0], mesh)
     out = np.empty((rows.stop - rows.start, *x.shape[1:]), x.dtype)
     filled = np.zeros(len(out), bool)
-    for shard in x.addressable_shards:
-        first, *rest = shard.index
-        if any(r.indices(n) != (0, n, 1) for r, n in zip(rest, x.shape[1:])):
-            raise ValueError(f"an array of shape {x.shape} split beyond its rows (sharding {x.sharding}) "
-                             "cannot be read row by row; gather it with gather_full")
-        lo, hi, _ = first.indices(x.shape[0])
+    for shard in x.addressable_shards:  # laid out as ROWS: each shard holds whole rows
+        lo, hi, _ = shard.index[0].indices(x.shape[0])
         a, b = max(lo, rows.start), min(hi, rows.stop)
         if a < b:
             out[a - rows.start:b - rows.start] = np.asarray(shard.data)[a - lo:b - lo]

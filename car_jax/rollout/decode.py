@@ -68,6 +68,22 @@ def prefill_shared(module: Decoder, params, cache: KVCache, tokens, valid, inver
     return logits[inverse], cache.put_prefix(small.rows(inverse))
 
 
+def stop_check(tok, live, dfa, eos_ids, tables, enabled=None):
+    """One sampled token per row through the stop tests: tok int32[B], live bool[B] (rows
+    that sampled it), dfa int32[B, A] each automaton's state, eos_ids int32[E], tables
+    int32[A, Z, V]; enabled bool[B, A] (default all): the automata a row listens to.
+    Returns (is_eos bool[B], fired int32[B]: the first automaton that completed, -1 if
+    none, dfa int32[B, A] after the token: 0 where one completed)."""
+    n_pat = tables.shape[0]
+    is_eos = jnp.any(tok[:, None] == eos_ids[None, :], axis=1) & live
+    nxt = tables[jnp.arange(n_pat)[None, :], dfa, tok[:, None]]  # [B, A]
+    hit = (nxt == STOP) & live[:, None]
+    if enabled is not None:
+        hit = hit & enabled
+    fired = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), -1)
+    return is_eos, fired, jnp.where(nxt == STOP, 0, nxt)
+
+
 def _grown(full: KVCache, part: KVCache | None, slots: int) -> KVCache:
     """The first `slots` slots of `full` with the loop's cache `part` (its first slots)
     written in: the loop's cache widened for the next stage."""
@@ -123,15 +139,11 @@ def decode_segment(module: Decoder, sampler: Sampler, max_steps: int, params, ca
         tokens = o.tokens.at[:, s.step].set(jnp.where(live, tok, 0))
         logp = o.logp.at[:, s.step].set(jnp.where(live, lp, 0.0))
         length = o.length + live
-        is_eos = jnp.any(tok[:, None] == eos_ids[None, :], axis=1) & live
-        nxt = tables[jnp.arange(n_pat)[None, :], s.dfa, tok[:, None]]  # [B, A]
-        hit = (nxt == STOP) & live[:, None]
-        fired = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), -1)
+        is_eos, fired, dfa = stop_check(tok, live, s.dfa, eos_ids, tables)
         stop_now = is_eos | (fired >= 0)
         out = SegmentOut(tokens, logp, length, o.stopped | stop_now, o.eos | is_eos,
                          jnp.where(live & (fired >= 0), fired, o.pattern))
         done = s.done | stop_now
-        dfa = jnp.where(hit, 0, nxt)
         # rows still running condition on the new token; the others leave a hole
         step_logits, cache = module.apply({"params": params}, tok[:, None], ~done[:, None], s.cache)
         return _Loop(s.step + 1, cache, step_logits[:, 0], done, dfa, out, key)

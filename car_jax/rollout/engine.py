@@ -1,0 +1,308 @@
+"""The episode engine: continuous batching of episodes through a fixed number of slots.
+
+    waiting episodes --refill--> slots (rows of one KV cache, `slots.py`)
+        [device] prefill prompts / pending token + observation, decode the live slots
+        [host]   parse each ended segment: answer -> the slot frees up for the next
+                 waiting episode; tool call -> a tool job in a thread pool, which runs
+                 while the device keeps decoding the other slots
+
+At most `max_concurrent` episodes are in flight, so the KV cache is slots x capacity
+(one episode's worth of slots plus one prefill or decode call of slack), whatever the
+step's episode count. A round of the loop: collect finished tool jobs (their rows get
+observation chunks), refill free slots from the waiting episodes, prefill, then one
+decode call that returns when every live slot has stopped or, while episodes wait for a
+slot or a tool job is out, once `REFILL` of the slots are idle. Every call into the
+device is made by every process in the same order; what the host knows only locally
+(rows to prefill, live rows, waiting episodes, tool jobs out) is agreed in one
+`hosts.allgather` a round.
+
+With several processes each owns a contiguous block of the slots (rows over fsdp, as
+`hosts.local_rows`) and refills them from its own episodes; its episode i is the step's
+episode offset + i, which seeds its RNG stream (`slots.episode_keys`), so tokens do not
+depend on slots, waves or processes.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from car_jax import hosts
+from car_jax.rollout.generate import decode_windows, eos_ids, left_pad, prompt_texts, round_up
+from car_jax.rollout.protocols import ANSWER, VOID, Action
+from car_jax.rollout.slots import compact, decode_slots, prefill_prompts_shared, prefill_rows
+from car_jax.rollout.stops import stop_tables
+from car_jax.rollout.tool_calls import Tool, run_tools
+from car_jax.rollout.trajectory import EpisodeStats, Trajectory, observation_ids
+
+REFILL = 1 / 8  # a decode call returns early for a refill once this share of the slots is idle
+
+
+def slot_count(max_concurrent: int, episodes: int, mesh) -> int:
+    """Slots of all processes together: max_concurrent (0: every episode), at most the
+    episode count, rounded up to a multiple of the mesh's fsdp (rows split over it)."""
+    n = min(max_concurrent or episodes, episodes)
+    split = 1 if mesh is None else mesh.shape["fsdp"]
+    return round_up(max(n, 1), split)
+
+
+def capacity(prompt_width: int, config) -> int:
+    """Cache slots S per row: one episode's most tokens (prompt, every turn's budget, every
+    observation chunk) plus the widest single write (a prompt, a chunk or a decode call),
+    so that a compacted cache always has room for the next one."""
+    chunk = round_up(1 + config.max_obs_tokens)
+    episode = (prompt_width + (config.max_turns + 1) * config.max_response_tokens + config.max_turns * chunk)
+    return episode + max(prompt_width, chunk, config.max_response_tokens)
+
+
+class _Slots:
+    """Host bookkeeping of this process's b slots (numpy): the episode each holds (-1:
+    free), whether it is decoding, its segment's tokens so far, automata and draws."""
+
+    def __init__(self, b: int, n_automata: int):
+        self.episode = np.full(b, -1, np.int64)
+        self.live = np.zeros(b, bool)
+        self.count = np.zeros(b, np.int32)
+        self.drawn = np.zeros(b, np.int32)
+        self.dfa = np.zeros((b, n_automata), np.int32)
+        self.enabled = np.zeros((b, n_automata), bool)
+        self.tokens: list[list[int]] = [[] for _ in range(b)]
+        self.logps: list[list[float]] = [[] for _ in range(b)]
+
+    def start_segment(self, r: int, enabled: np.ndarray) -> None:
+        self.live[r], self.count[r], self.dfa[r], self.enabled[r] = True, 0, 0, enabled
+        self.tokens[r], self.logps[r] = [], []
+
+
+class Engine:
+    """One rollout's episodes (this process's) through the slots; `run()` returns their
+    trajectories in order. See the module doc."""
+
+    def __init__(self, model, tokenizer, prompts, tools: dict[str, Tool], config, protocol, seed: int,
+                 stats: EpisodeStats):
+        self.model, self.tok, self.tools, self.cfg, self.protocol, self.stats = (
+            model, tokenizer, tools, config, protocol, stats)
+        self.mesh = model.mesh
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts(tokenizer, prompts)]
+        self.trajs = [Trajectory(p) for p in ids]
+        n = len(ids)
+        self.offset = hosts.local_rows(n * hosts.count(), self.mesh).start  # this process's first episode
+        self.n_slots = slot_count(config.max_concurrent, n * hosts.count(), self.mesh)
+        mine = hosts.local_rows(self.n_slots, self.mesh)
+        self.b = mine.stop - mine.start
+        self.pad = tokenizer.pad_token_id or 0
+        self.prompt_width = round_up(hosts.global_max(max(len(p) for p in ids)))
+        self.capacity = capacity(self.prompt_width, config)
+        self.eos = jnp.asarray(eos_ids(model, tokenizer))
+        stops, final = list(protocol.stops), list(protocol.final_stops)
+        self.tables = jnp.asarray(stop_tables(tokenizer, stops + final))
+        self.turn_stops = np.array([True] * len(stops) + [False] * len(final))
+        self.slots = _Slots(self.b, len(self.turn_stops))
+        self.key = jax.random.key(seed)
+        self.waiting = collections.deque(range(n))
+        self.jobs: dict[cf.Future, dict[int, tuple[int, Action, list[int]]]] = {}
+        self.chunks: dict[int, list[int]] = {}  # slot -> pending token + observation to prefill
+        stats.slots = self.n_slots
+        stats.capacity = self.capacity
+
+    # -- helpers ----------------------------------------------------------------------
+    def _global(self, x) -> jax.Array:
+        return hosts.to_global(np.asarray(x), self.mesh)
+
+    def _local(self, x) -> np.ndarray:
+        return hosts.fetch_local(x, self.mesh)
+
+    def _stops_for(self, e: int) -> np.ndarray:
+        """The automata of episode e's next segment: the answer-only ones in its last turn."""
+        final = self.trajs[e].n_turns == self.cfg.max_turns
+        return ~self.turn_stops if final else self.turn_stops
+
+    def _room(self, cache, width: int):
+        """The cache, compacted first if `width` more slots would overflow it."""
+        if int(cache.index) + width > self.capacity:
+            cache = compact(cache)
+            self.stats.compactions += 1
+        return cache
+
+    # -- device -----------------------------------------------------------------------
+    def _prefill_prompts(self, cache, logits, rows: list[int]):
+        prompts = [list(self.trajs[self.slots.episode[r]].prompt_ids) for r in rows]
+        cache = self._room(cache, self.prompt_width)
+        if self.mesh is None:  # each distinct prompt once (a GRPO group's), copied into its rows
+            distinct: dict[tuple[int, ...], int] = {}
+            inverse = np.full(self.b, -1, np.int32)
+            for r, p in zip(rows, prompts):
+                inverse[r] = distinct.setdefault(tuple(p), len(distinct))
+            u = min(self.b, 1 << (len(distinct) - 1).bit_length())  # bucketed: few compiles
+            tokens, valid = left_pad(list(distinct) + [[]] * (u - len(distinct)), self.prompt_width, self.pad)
+            logits, cache = prefill_prompts_shared(self.model.module, self.model.params, cache, logits,
+                                                   jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(inverse))
+        else:
+            per_row = [[] for _ in range(self.b)]
+            for r, p in zip(rows, prompts):
+                per_row[r] = p
+            tokens, valid = left_pad(per_row, self.prompt_width, self.pad)
+            reset = np.zeros(self.b, bool)
+            reset[rows] = True
+            logits, cache = prefill_rows(self.model.module, self.model.params, cache, logits, self._global(tokens),
+                                         self._global(valid), self._global(reset))
+        self.stats.prefilled_tokens += sum(len(p) for p in prompts)
+        return cache, logits
+
+    def _prefill_chunks(self, cache, logits, width: int):
+        per_row = [self.chunks.get(r, []) for r in range(self.b)]
+        tokens, valid = left_pad(per_row, width, self.pad)
+        cache = self._room(cache, width)
+        logits, cache = prefill_rows(self.model.module, self.model.params, cache, logits, self._global(tokens),
+                                     self._global(valid), self._global(np.zeros(self.b, bool)))
+        self.stats.prefilled_tokens += int(valid.sum())
+        self.chunks = {}
+        return cache, logits
+
+    def _decode(self, cache, logits, min_idle: int):
+        r_max = self.cfg.max_response_tokens
+        cache = self._room(cache, r_max)
+        s = self.slots
+        episode = np.where(s.episode >= 0, s.episode + self.offset, 0).astype(np.int32)
+        out, logits, cache = decode_slots(
+            self.model.module, self.cfg.sampler, r_max, self.model.params, cache, logits,
+            *(self._global(x) for x in (s.live, s.count, s.dfa, s.enabled, episode, s.drawn)),
+            self.eos, self.tables, self.key, np.int32(min_idle),
+            windows=decode_windows(int(cache.index), r_max, cache.capacity))
+        out = out._replace(**{f: self._local(getattr(out, f)) for f in out._fields if f != "steps"})
+        steps = int(out.steps)
+        self.stats.decode_steps += steps
+        self.stats.waiting_steps += len(self.waiting) * steps
+        return out, cache, logits
+
+    # -- host -------------------------------------------------------------------------
+    def _take_output(self, out) -> dict[int, tuple[int, Action, list[int]]]:
+        """Each live slot's new tokens; ended segments are parsed: the episode ends, or its
+        action is returned ({episode: (slot, action, pending tokens)})."""
+        s, r_max = self.slots, self.cfg.max_response_tokens
+        actions = {}
+        for r in np.flatnonzero(s.live):
+            n = int(out.length[r])
+            s.tokens[r].extend(out.tokens[r, :n].tolist())
+            s.logps[r].extend(out.logp[r, :n].tolist())
+            s.count[r] += n
+            s.drawn[r] += n
+            s.dfa[r] = out.dfa[r]
+            if not (out.stopped[r] or s.count[r] >= r_max):
+                continue
+            s.live[r] = False
+            e = int(s.episode[r])
+            traj = self.trajs[e]
+            final = traj.n_turns == self.cfg.max_turns
+            traj.add(s.tokens[r], s.logps[r])
+            traj.n_turns += 1
+            self.stats.sampled_tokens += len(s.tokens[r])
+            action = self.protocol.parse(self.tok.decode(s.tokens[r], skip_special_tokens=True))
+            traj.void_turns += action.kind == VOID
+            # Search-R1: only an answer (or the last turn) ends an episode; an invalid
+            # action is answered with a message even after EOS. A void TIR turn that
+            # ended in EOS has nothing left to do.
+            if action.kind == ANSWER or final or (action.kind == VOID and out.eos[r]):
+                traj.answered = action.kind == ANSWER
+                s.episode[r] = -1
+                continue
+            actions[e] = (int(r), action, [s.tokens[r][-1]] if out.stopped[r] else [])
+        return actions
+
+    def _tool_job(self, actions: dict[int, tuple[int, Action, list[int]]]):
+        """Runs in the pool: the tools of one decode call's ended segments (one batched call
+        per tool kind, `run_tools`). Returns (results {episode: text}, seconds)."""
+        t0 = time.perf_counter()
+        results = run_tools({e: a for e, (_, a, _) in actions.items()}, self.tools, self.cfg.tool_timeout_s,
+                            self.trajs)
+        return results, time.perf_counter() - t0
+
+    def _submit(self, pool: cf.ThreadPoolExecutor, actions) -> None:
+        if not actions:
+            return
+        if any(a.kind in self.tools for _, a, _ in actions.values()):
+            self.jobs[pool.submit(self._tool_job, actions)] = actions
+        else:  # no tool to call (invalid / void actions): the observation is known now
+            self._observe(actions, *self._tool_job(actions))
+
+    def _observe(self, actions, results: dict[int, str], seconds: float) -> None:
+        """A finished tool job's observations: appended to their trajectories, and queued
+        as chunks (pending token + observation) for their slots' next prefill."""
+        self.stats.seconds_tools += seconds
+        for e, (r, action, pending) in actions.items():
+            traj = self.trajs[e]
+            parts = self.protocol.wrap(action, results.get(e, ""))
+            obs = observation_ids(self.tok, parts, self.cfg.max_obs_tokens)
+            traj.add(obs, sampled=False)
+            traj.observations.append("".join(parts))
+            chunk = pending + obs
+            # TIR: the program printed the boxed answer (and it fit the budget)
+            if self.protocol.ends_episode(self.tok.decode(obs, skip_special_tokens=True)):
+                traj.answered = True
+                chunk = []
+            if not chunk:  # answered, or a void turn cut by the budget: nothing to condition on
+                self.slots.episode[r] = -1
+                continue
+            self.chunks[r] = chunk
+            self.slots.start_segment(r, self._stops_for(e))
+
+    def _collect(self, block: bool) -> None:
+        """Observations of the tool jobs that have finished (block: wait for one first)."""
+        if block and self.jobs:
+            t0 = time.perf_counter()
+            cf.wait(list(self.jobs), return_when=cf.FIRST_COMPLETED)
+            self.stats.seconds_tool_wait += time.perf_counter() - t0
+        for future in [f for f in self.jobs if f.done()]:
+            self._observe(self.jobs.pop(future), *future.result())
+
+    def _refill(self) -> list[int]:
+        """Free slots take the next waiting episodes; returns those slots."""
+        s = self.slots
+        rows = []
+        for r in np.flatnonzero(s.episode < 0):
+            if not self.waiting:
+                break
+            e = self.waiting.popleft()
+            s.episode[r], s.drawn[r] = e, 0
+            s.start_segment(int(r), self._stops_for(e))
+            rows.append(int(r))
+        return rows
+
+    def run(self) -> list[Trajectory]:
+        stats = self.stats
+        cache = self.model.init_cache(self.b * hosts.count(), self.capacity)
+        logits = self._global(np.zeros((self.b, self.model.config.vocab_size), np.float32))
+        with cf.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="tools") as pool:
+            while True:
+                self._collect(block=False)
+                new = self._refill()
+                longest = max((len(c) for c in self.chunks.values()), default=0)
+                # the round's decisions, agreed: [rows to refill, longest chunk, live, waiting, jobs]
+                agreed = hosts.allgather(np.array([[len(new), longest, int(self.slots.live.sum()),
+                                                    len(self.waiting), len(self.jobs)]], np.int64))
+                n_new, _, live, waiting, jobs = agreed.sum(axis=0)
+                longest = int(agreed[:, 1].max())
+                t0 = time.perf_counter()
+                if n_new:
+                    cache, logits = self._prefill_prompts(cache, logits, new)
+                if longest:
+                    cache, logits = self._prefill_chunks(cache, logits, round_up(longest))
+                if live:
+                    idle = self.n_slots - live
+                    min_idle = idle + max(1, int(self.n_slots * REFILL)) if waiting + jobs else self.n_slots + 1
+                    out, cache, logits = self._decode(cache, logits, min_idle)
+                    stats.seconds_device += time.perf_counter() - t0
+                    self._submit(pool, self._take_output(out))
+                elif jobs:
+                    stats.seconds_device += time.perf_counter() - t0
+                    self._collect(block=True)
+                else:
+                    break
+        for traj in self.trajs:
+            traj.text = self.tok.decode(traj.response_ids, skip_special_tokens=True)
+            traj.pieces = traj.decode_pieces(self.tok)
+        return self.trajs

@@ -94,27 +94,24 @@ def format_curve(curve: Sequence[dict], tau: float | None = None) -> str:
 
 
 def gate_plot(curve: Sequence[dict], path: str | Path, title: str = "confidence-gated tool use") -> None:
-    """Accuracy and ECE (left axis) and tool calls per question (right axis) against TAU."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Accuracy and ECE (left axis) and tool calls per question (right axis) against TAU
+    (matplotlib's object API, as `car_jax.calibration.plots`)."""
+    from matplotlib.figure import Figure
 
     tau = [r["tau"] for r in curve]
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig = Figure(figsize=(5.5, 3.6), dpi=120)
+    ax = fig.subplots()
     ax.plot(tau, [r["accuracy"] for r in curve], "o-", label="accuracy")
     ax.plot(tau, [np.nan if r["ece"] is None else r["ece"] for r in curve], "s-", label="ECE")
-    ax.set_xlabel("TAU (run the tool when the direct confidence < TAU)")
-    ax.set_ylim(0, 1)
+    ax.set(xlabel="TAU (run the tool when the direct confidence < TAU)", ylim=(0, 1), title=title)
     right = ax.twinx()
     right.plot(tau, [r["tool_calls"] for r in curve], "^--", color="tab:gray", label="tool calls / question")
     right.set_ylabel("tool calls per question")
     right.set_ylim(bottom=0)
-    lines = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    ax.legend(lines, [h.get_label() for h in lines], loc="best", fontsize=8)
-    ax.set_title(title)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], loc="best", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig.savefig(path)
 
 
 def run_gate(cfg, tau: float, *, grid: Sequence[float] = DEFAULT_GRID, log=print) -> dict:

@@ -2,6 +2,8 @@
 
     load_dataset("world")                          # built-in offline world, dev split
     load_dataset("world", split="train")
+    load_dataset("world-large", split="ood")       # the large world (car_jax.data.world_large): train, dev,
+                                                   # ood, arith_train, arith_dev (math: the tir mode)
     load_dataset("nq_search/", split="test")       # a folder holding test.parquet (or .jsonl/.json/.csv)
     load_dataset("nq_search/train.parquet")        # Search-R1 parquet
     load_dataset("simpleqa_verified.csv")          # SimpleQA-verified
@@ -23,7 +25,7 @@ import pyarrow.parquet as pq
 
 from car_jax.data import tfds_source
 from car_jax.data.layouts import DatasetError, QAExample, rows_to_examples
-from car_jax.data.world import world_paths
+from car_jax.data.world import WORLDS, world_paths
 
 __all__ = ["DatasetError", "QAExample", "load_dataset", "read_csv", "read_jsonl", "read_parquet"]
 
@@ -90,12 +92,14 @@ READERS = {".parquet": read_parquet, ".jsonl": read_jsonl, ".json": read_jsonl, 
 
 
 def _resolve(path_or_name: str | Path, split: str | None) -> Path:
-    """A name ("world"), a file, or a folder + split -> the file to read."""
-    if str(path_or_name) == "world":
+    """A name ("world", "world-large"), a file, or a folder + split -> the file to read."""
+    if str(path_or_name) in WORLDS:
         split = split or "dev"
-        paths = world_paths()
+        paths = world_paths(str(path_or_name))
         if split not in paths or split == "corpus":
-            raise DatasetError(f"world has splits 'train' and 'dev', not {split!r}")
+            names = [repr(k) for k in paths if k != "corpus"]
+            have = ", ".join(names[:-1]) + " and " + names[-1]
+            raise DatasetError(f"{path_or_name} has splits {have}, not {split!r}")
         return paths[split]
     path = Path(path_or_name)
     if path.is_dir():
@@ -107,7 +111,7 @@ def _resolve(path_or_name: str | Path, split: str | None) -> Path:
                                     f"{sorted(p.name for p in path.iterdir())[:20]}")
         return found[0]
     if not path.is_file():
-        raise FileNotFoundError(f"dataset {str(path_or_name)!r} not found: give 'world', a file "
+        raise FileNotFoundError(f"dataset {str(path_or_name)!r} not found: give 'world', 'world-large', a file "
                                 f"({', '.join(EXTENSIONS)}), a folder with split= or {tfds_source.PREFIX}NAME[:SPLIT]")
     return path
 
@@ -115,7 +119,8 @@ def _resolve(path_or_name: str | Path, split: str | None) -> Path:
 def load_dataset(path_or_name: str | Path, split: str | None = None, limit: int | None = None) -> list[QAExample]:
     """Reads a dataset into QAExamples (see the module doc for the sources).
 
-    `split`: for "world" ("dev" default, or "train"), for folders (<folder>/<split>.<ext>) and
+    `split`: for "world" ("dev" default, or "train"), "world-large" ("dev" default, "train",
+    "ood", "arith_train", "arith_dev"), for folders (<folder>/<split>.<ext>) and
     for "tfds:NAME" (a split in the name wins). `limit`: keep the first `limit` examples.
     Raises FileNotFoundError for a missing path, DatasetError (a ValueError) for unreadable
     files, unknown layouts and duplicate ids, ImportError for tfds: without its extra.

@@ -123,3 +123,12 @@ def perf_metrics(flops: float, seconds: float, devices: int, device_kind: str) -
     c = chip(device_kind)
     return {"perf/model_tflops_per_device": per_device / 1e12,
             "perf/mfu": per_device / c.peak_bf16_flops if c else float("nan")}
+
+
+def chip_named(name: str) -> Chip:
+    """The chip called `name` in `CHIPS` ("v5e", "v5p", "v6e", "h100", "h200", ...); a
+    ValueError listing the names otherwise."""
+    by_name = {c.name: c for c in CHIPS.values()}
+    if name.lower() not in by_name:
+        raise ValueError(f"unknown chip {name!r}; use one of {', '.join(sorted(by_name))}")
+    return by_name[name.lower()]

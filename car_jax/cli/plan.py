@@ -1,0 +1,52 @@
+"""`car-jax plan --config X.yaml [--mesh fsdp=F,tp=T] [--chip v5p] [--json] [--xla] [key=value ...]`:
+per-device memory of a training config against a chip's HBM, and its FLOPs per step, without
+weights (`car_jax.plan`). The mesh defaults to the config's own (-1 needs --mesh or
+mesh.devices); --xla also compiles the real train step and rollout programs from abstract
+inputs and prints XLA's `memory_analysis()` beside the plan (a fake CPU mesh needs
+XLA_FLAGS=--xla_force_host_platform_device_count=N)."""
+from __future__ import annotations
+
+import json
+
+from car_jax.cli import add_config_args, load_config_args
+from car_jax.config import ConfigError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="per-device memory and FLOPs of a training config on a chip, without weights")
+    add_config_args(p, "a `car-jax train` config", "rl.micro_batch=32 model.remat=false")
+    p.add_argument("--mesh", default=None, help="fsdp=F,tp=T (default: the config's mesh section)")
+    p.add_argument("--chip", default="v5p", help="v5e, v5p, v6e, h100, h200 (the chip table of car_jax.train.flops)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="the longest prompt, in tokens (default 512)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--xla", action="store_true", help="also compile the programs and print XLA's memory_analysis")
+    p.set_defaults(func=plan_command)
+
+
+def plan_command(args) -> int:
+    from car_jax.plan import config_mesh, format_table, make_plan, max_rollout_rows, model_config, parse_mesh
+    from car_jax.plan.plan import PROMPT_TOKENS
+    from car_jax.train.config import TrainConfig
+
+    cfg = load_config_args(TrainConfig, args)
+    try:
+        fsdp, tp = parse_mesh(args.mesh) if args.mesh else config_mesh(cfg)
+        model = model_config(cfg.model.path)
+        plan = make_plan(cfg, fsdp, tp, args.chip, args.prompt_tokens or PROMPT_TOKENS, model=model)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from None
+    rows = max_rollout_rows(cfg, plan, model)
+    xla = None
+    if args.xla:
+        from car_jax.plan.xla import fake_mesh, xla_memory
+        out = xla_memory(cfg, model, fake_mesh(fsdp, tp), plan.shapes)
+        xla = {k: {"argument": v.argument, "output": v.output, "alias": v.alias, "temp": v.temp, "peak": v.peak}
+               for k, v in out.items()}
+    if args.json:
+        print(json.dumps({**plan.to_json(), "max_rollout_rows": rows, **({"xla": xla} if xla else {})}))
+        return 0
+    print(format_table(plan, rows))
+    for name, m in (xla or {}).items():
+        print(f"xla {name}: peak {m['peak'] / 2**30:.2f} GiB (argument {m['argument'] / 2**30:.2f}, "
+              f"temp {m['temp'] / 2**30:.2f}, output {m['output'] / 2**30:.2f}, aliased {m['alias'] / 2**30:.2f})")
+    return 0

@@ -1,0 +1,159 @@
+"""XLA's own accounting of a training run's memory: the real jitted programs lowered from
+abstract inputs and compiled, without weights.
+
+`xla_memory(cfg, model_cfg, mesh, shapes)` builds what the trainer builds (the Decoder with
+the accelerator policy `PLAIN`, the optimizer, `steps.make_train_step` with the train
+state's shardings, the rollout's `decode.prefill` and `decode.segment`) over
+`jax.ShapeDtypeStruct`s that carry their `NamedSharding` (the param tree from
+`jax.eval_shape` of the module's init, laid out by `sharding.params_shardings`), lowers
+and compiles each program for `mesh` and reads `compiled.memory_analysis()`. On a CPU host
+a fake mesh of N devices is `XLA_FLAGS=--xla_force_host_platform_device_count=N`. The
+figures are per device: an SPMD program is compiled once for one device's shards.
+
+The AdamW moments are laid out as the params are (the sharding table's train layout),
+which is what `steps.init_state` means to produce (its jitted `optimizer.init` inherits the
+params' layout).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from car_jax import sharding as shd
+from car_jax.models.config import ModelConfig, as_dtype
+from car_jax.models.decoder import Decoder
+from car_jax.models.policy import PLAIN
+from car_jax.plan.shapes import Shapes
+from car_jax.rl.steps import BATCH_KEYS, TrainState, make_optimizer, make_train_step
+from car_jax.rollout import decode
+from car_jax.train.config import TrainConfig
+
+# LLVM at -O0: the same buffer assignment (memory_analysis) as the default, compiled in
+# about two thirds of the time (measured on the tiny configs of tests/test_plan.py)
+OPTIONS = {"xla_backend_optimization_level": 0}
+STOP_AUTOMATA = (2, 16)  # (A, Z) of the stop tables the decode loop takes: a few patterns of a few states
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One compiled program's `memory_analysis()`, bytes per device."""
+    argument: int
+    output: int
+    alias: int  # outputs that reuse a donated argument's buffer
+    temp: int
+
+    @property
+    def peak(self) -> int:
+        """What the program holds at once: its arguments, its outputs that do not reuse a
+        donated argument, and its temporaries."""
+        return self.argument + self.output - self.alias + self.temp
+
+    @classmethod
+    def of(cls, compiled) -> "Compiled":
+        m = compiled.memory_analysis()
+        return cls(int(m.argument_size_in_bytes), int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
+                   int(m.temp_size_in_bytes))
+
+
+def fake_mesh(fsdp: int, tp: int) -> Mesh:
+    """The (fsdp, tp) mesh over the first fsdp x tp devices; a clear error when there are fewer."""
+    n, have = fsdp * tp, len(jax.devices())
+    if have < n:
+        raise ValueError(f"mesh fsdp={fsdp} x tp={tp} needs {n} devices, jax sees {have}; on a CPU host run with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+    return shd.make_mesh(fsdp, tp, jax.devices()[:n])
+
+
+def _sds(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def abstract_params(module: Decoder, mesh: Mesh):
+    """The param tree as ShapeDtypeStructs in the train layout (no weights are made)."""
+    params = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    return _sds(params, shd.params_shardings(params, mesh))
+
+
+def abstract_state(params, optimizer, mesh: Mesh) -> TrainState:
+    """TrainState of ShapeDtypeStructs: each moment in its param's layout (found by the
+    param's path at the end of the moment's path, `...mu['layers']['attn']['q']`), the
+    counters and the step replicated."""
+    by_path = {_keys(path): x.sharding for path, x in jax.tree_util.tree_leaves_with_path(params)}
+    replicated = NamedSharding(mesh, P())
+
+    def place(path, x):
+        keys = _keys(path)
+        sharding = next((by_path[keys[i:]] for i in range(len(keys)) if keys[i:] in by_path), replicated)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    opt = jax.tree_util.tree_map_with_path(place, jax.eval_shape(optimizer.init, params))
+    return TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+
+
+def _keys(path) -> tuple[str, ...]:
+    """The dict keys of a pytree path (attribute and index entries dropped)."""
+    return tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey))
+
+
+def _batch(mesh: Mesh, m: int, b: int, p: int, r: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The train step's batch (`steps.BATCH_KEYS`) [M, b, ...], rows over fsdp."""
+    kinds = {"prompt": ((m, b, p), jnp.int32), "prompt_valid": ((m, b, p), bool), "prompt_index": ((m, b), jnp.int32),
+             "tokens": ((m, b, r), jnp.int32), "valid": ((m, b, r), bool), "advantages": ((m, b), jnp.float32)}
+    rows2, rows3 = NamedSharding(mesh, P(None, "fsdp")), NamedSharding(mesh, P(None, "fsdp", None))
+    out = {}
+    for key in BATCH_KEYS:
+        shape, dtype = kinds.get(key, ((m, b, r), jnp.float32))
+        out[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=rows2 if len(shape) == 2 else rows3)
+    return out
+
+
+def _cache(module: Decoder, mesh: Mesh, rows: int, capacity: int):
+    """The rollout's KV cache (the sampling table's layout) as ShapeDtypeStructs."""
+    return jax.eval_shape(lambda: module.policy.init_cache(module.cfg, rows, capacity, module.dtype, mesh))
+
+
+def xla_memory(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shapes: Shapes) -> dict[str, Compiled]:
+    """{"train_step", "prefill", "decode"}: the compiled programs' memory per device.
+
+    train_step: one mini-batch of `shapes.micro_batches` x `shapes.micro_rows` rows, prompts
+    of `shapes.prompt` and responses of `shapes.response` tokens (the trainer's padded
+    widths). prefill / decode: the rollout's `shapes.rollout_rows` rows over a cache of
+    `shapes.capacity` slots; the prefill writes a chunk of `shapes.prefill_chunk` tokens,
+    the decode loop samples `cfg.rollout.max_response_tokens` tokens in one stage over
+    the whole cache (the last turn's)."""
+    m = cfg.model
+    module = Decoder(model_cfg, dtype=as_dtype(m.dtype), param_dtype=as_dtype(m.param_dtype), remat=m.remat,
+                     policy=PLAIN)
+    optimizer = make_optimizer(cfg.rl.optim)
+    params = abstract_params(module, mesh)
+    state = abstract_state(params, optimizer, mesh)
+    step = make_train_step(module, optimizer, cfg.rl.loss, mesh, jax.tree.map(lambda x: x.sharding, state),
+                           temperature=cfg.rollout.logprob_temperature, horizon=cfg.rollout.max_response_length)
+    batch = _batch(mesh, shapes.micro_batches, shapes.micro_rows, shapes.prompt, shapes.response)
+    out = {"train_step": Compiled.of(step.lower(state, batch).compile(OPTIONS))}
+
+    rows = NamedSharding(mesh, P("fsdp"))
+    b, v = shapes.rollout_rows, model_cfg.vocab_size
+    cache = _cache(module, mesh, b, shapes.capacity)
+    chunk = jax.ShapeDtypeStruct((b, shapes.prefill_chunk), jnp.int32, sharding=NamedSharding(mesh, P("fsdp", None)))
+    valid = jax.ShapeDtypeStruct(chunk.shape, bool, sharding=chunk.sharding)
+    out["prefill"] = Compiled.of(decode.prefill.lower(module, params, cache, chunk, valid).compile(OPTIONS))
+
+    replicated = NamedSharding(mesh, P())
+    a, z = STOP_AUTOMATA
+    args = dict(
+        logits=jax.ShapeDtypeStruct((b, v), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None))),
+        active=jax.ShapeDtypeStruct((b,), bool, sharding=rows),
+        eos_ids=jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated),
+        tables=jax.ShapeDtypeStruct((a, z, v), jnp.int32, sharding=replicated),
+        key=jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated))
+    lowered = decode.decode_segment.lower(module, cfg.rollout.sampler, cfg.rollout.max_response_tokens, params, cache,
+                                          args["logits"], args["active"], args["eos_ids"], args["tables"], args["key"],
+                                          windows=(shapes.capacity,))
+    out["decode"] = Compiled.of(lowered.compile(OPTIONS))
+    return out

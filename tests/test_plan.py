@@ -1,0 +1,101 @@
+"""car_jax.plan: the planner's byte counts against counts made here from the param tree and
+against XLA's `memory_analysis()` of the real compiled programs (fake CPU mesh), the CLI's
+JSON, and its errors."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from car_jax.cli import main
+from car_jax.config import load_config
+from car_jax.models.config import ModelConfig
+from car_jax.models.decoder import Decoder
+from car_jax.plan import make_plan, model_config
+from car_jax.plan.memory import PlanError
+from car_jax.plan.xla import abstract_params, fake_mesh, xla_memory
+from car_jax.train.config import TrainConfig
+
+TINY = ModelConfig("qwen2", 2048, 128, 2, 4, 2, 32, 384, qkv_bias=True)
+WIDE_KV = ModelConfig("qwen3", 2048, 128, 2, 8, 4, 16, 384, qk_norm=True, tie_embeddings=True)  # tp up to 4
+SMALL = ["rollout.group_size=4", "rl.prompts_per_step=8", "rl.micro_batch=16", "rollout.max_turns=1",
+         "rollout.max_response_tokens=64", "rollout.max_obs_tokens=32", "model.dtype=float32"]
+
+
+def tiny_cfg(*overrides):
+    return load_config(TrainConfig, None, [*SMALL, *overrides])
+
+
+def test_param_bytes_match_the_param_tree_split_by_jax():
+    """params / grads / moments / reference: numpy's count of each leaf's shard as jax lays it
+    out on the mesh (NamedSharding.shard_shape), times the storage dtype."""
+    mesh = fake_mesh(2, 2)
+    tree = abstract_params(Decoder(TINY, param_dtype=jnp.float32), mesh)
+    by_hand = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(tree)) * 4
+    plan = make_plan(tiny_cfg("model.param_dtype=float32"), 2, 2, "v5e", prompt_tokens=64, model=TINY)
+    assert plan.params_bytes == by_hand
+    assert plan.opt_state_bytes == plan.grads_bytes == 2 * by_hand and plan.ref_bytes == by_hand
+    assert make_plan(tiny_cfg("rl.loss.kl_coef=0"), 2, 2, "v5e", prompt_tokens=64, model=TINY).ref_bytes == 0
+
+
+def test_kv_cache_bytes_by_hand():
+    plan = make_plan(tiny_cfg("model.dtype=bfloat16"), 2, 1, "v5e", prompt_tokens=64, model=TINY)
+    rows, slots = 32 // 2, 64 + 2 * 64 + 1 * 48  # prompt + 2 turns x 64 + one observation chunk (1 + 32 -> 48)
+    assert plan.shapes.capacity == slots
+    assert plan.kv_cache_bytes == 2 * TINY.n_layers * rows * TINY.n_kv_heads * slots * TINY.head_dim * 2 + rows * slots
+
+
+@pytest.mark.parametrize("model,fsdp,tp,overrides", [
+    (TINY, 1, 1, ["model.remat=true"]),
+    (TINY, 1, 2, ["model.remat=false"]),
+    (WIDE_KV, 1, 4, ["model.remat=true", "rl.loss.kl_coef=0"]),
+], ids=["1x1-remat", "1x2-no-remat", "1x4-remat-no-kl-qwen3"])
+def test_plan_agrees_with_xla_memory_analysis(model, fsdp, tp, overrides):
+    """The train step's peak (arguments + outputs - aliased + temporaries) and the rollout
+    programs' within 15% of the planner's figures for the same parts."""
+    cfg = tiny_cfg(*overrides)
+    plan = make_plan(cfg, fsdp, tp, "v5e", prompt_tokens=64, model=model)
+    xla = xla_memory(cfg, model, fake_mesh(fsdp, tp), plan.shapes)
+    step = plan.params_bytes + plan.opt_state_bytes + plan.grads_bytes + plan.activation_bytes
+    assert step == pytest.approx(xla["train_step"].peak, rel=0.15)
+    assert xla["train_step"].argument >= plan.params_bytes + plan.opt_state_bytes  # the state is an argument
+    rollout = plan.params_bytes + plan.kv_cache_bytes + plan.rollout_temp_bytes
+    assert rollout == pytest.approx(max(xla["prefill"].peak, xla["decode"].peak), rel=0.15)
+
+
+def test_cli_json_has_the_keys(capsys):
+    rc = main(["plan", "--config", "configs/qwen2.5-3b_car_mscr.yaml", "--mesh", "fsdp=4,tp=1", "--chip", "v5p",
+               "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    keys = {"params_bytes", "grads_bytes", "opt_state_bytes", "ref_bytes", "kv_cache_bytes", "activation_bytes",
+            "total_bytes", "hbm_bytes", "fits", "flops_per_step"}
+    assert keys <= set(out)
+    assert out["hbm_bytes"] == 95 * 2**30 and out["total_bytes"] == max(out["train_bytes"], out["rollout_bytes"])
+    assert out["fits"] == (out["total_bytes"] <= 0.9 * out["hbm_bytes"])
+
+
+def test_shipped_config_found_by_hub_id_and_placeholder_name():
+    hub = model_config("Qwen/Qwen2.5-3B-Instruct")
+    assert hub == model_config("/path/to/Qwen2.5-3B-Instruct")
+    assert (hub.d_model, hub.n_layers, hub.n_heads, hub.n_kv_heads, hub.tie_embeddings) == (2048, 36, 16, 2, True)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--mesh", "fsdp=4", "--chip", "tpu9"], "unknown chip 'tpu9'"),
+    (["--mesh", "fsdp=3"], "does not split over fsdp=3"),
+    (["--mesh", "tp=4"], "does not split over tp=4"),  # Qwen2.5-3B has 2 kv heads
+    (["--mesh", "fsdp=two"], "is not fsdp=N or tp=N"),
+    (["--mesh", "fsdp=4", "model.path=/nowhere/NoSuchModel"], "no shipped config.json for 'NoSuchModel'"),
+])
+def test_cli_errors_name_the_bad_value(capsys, args, message):
+    rc = main(["plan", "--config", "configs/qwen2.5-3b_car_mscr.yaml", *args])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_unknown_chip_and_bad_mesh_raise():
+    with pytest.raises(ValueError, match="unknown chip"):
+        make_plan(tiny_cfg(), 1, 1, "v7x", model=TINY)
+    with pytest.raises(PlanError, match="kv_heads=2"):
+        make_plan(tiny_cfg(), 1, 4, "v5e", model=TINY)

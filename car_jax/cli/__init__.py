@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "car_jax.cli.tools",  # build-index, serve-retriever
     "car_jax.cli.train",  # train
     "car_jax.cli.eval",  # eval
+    "car_jax.cli.pilot",  # pilot
     "car_jax.cli.plan",  # plan
 )
 

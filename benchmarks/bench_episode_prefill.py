@@ -72,14 +72,14 @@ def main() -> None:
     ours_s = time.perf_counter() - start
 
     # the same runner with each turn's decode attending over the whole episode cache
-    from car_jax.rollout import episode
-    windowed = episode.decode_windows
-    episode.decode_windows = lambda index, steps, capacity: ()
+    from car_jax.rollout import engine
+    windowed = engine.decode_windows
+    engine.decode_windows = lambda index, steps, capacity: ()
     run_episodes(model, tok, prompts, tool, config=cfg, protocol=EveryLine())  # compile
     start = time.perf_counter()
     run_episodes(model, tok, prompts, tool, config=cfg, protocol=EveryLine())
     whole_s = time.perf_counter() - start
-    episode.decode_windows = windowed
+    engine.decode_windows = windowed
 
     # baseline: every turn re-prefills prompt + history and decodes the same segment
     def resend():

@@ -21,6 +21,10 @@ Files written to `out_dir`:
                      per-kind breakdown; NaN (undefined AUROC / MCIP) is written as null
     reliability.png  reliability diagram
 
+A batch's episodes run in the episode engine (`car_jax.rollout.engine`), as training's do:
+at most `episode.max_concurrent` of them at once (0: the whole batch), tools overlapping
+decoding; `summary.json`'s run section has its slot utilisation.
+
 On a mesh (a model loaded with one) a batch's rows are split over the mesh axis `fsdp`: a
 short batch is padded with copies of its last example to a multiple of fsdp, and the
 padded rows' results are dropped. With several processes (`jax.distributed`) every process
@@ -339,8 +343,9 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
                                                        stats.seconds_tools]])).max(axis=0).tolist()
     summary["run"] = {"new_examples": len(todo), "resumed_examples": len(examples) - len(todo),
                       "seconds": seconds, "seconds_device": device, "seconds_tools": tool, "sampled_tokens": sampled,
+                      "slot_utilisation": _num(stats.utilisation(sampled)),  # the engine's, over every batch
                       "episode": {"max_turns": config.max_turns, "max_response_tokens": config.max_response_tokens,
-                                  "max_obs_tokens": config.max_obs_tokens,
+                                  "max_obs_tokens": config.max_obs_tokens, "max_concurrent": config.max_concurrent,
                                   "sampler": dataclasses.asdict(config.sampler)}}
     if not hosts.is_writer():
         return summary

@@ -164,6 +164,10 @@ class Engine:
         return cache, logits
 
     def _decode(self, cache, logits, min_idle: int):
+        """One decode call over the slots. It attends over one window, the cache's first
+        slots up to the bucket that holds index + max_response_tokens: a call is at most a
+        segment long and the index of mixed slots is rarely small, so staged windows would
+        save little and cost one compile each."""
         r_max = self.cfg.max_response_tokens
         cache = self._room(cache, r_max)
         s = self.slots
@@ -172,7 +176,7 @@ class Engine:
             self.model.module, self.cfg.sampler, r_max, self.model.params, cache, logits,
             *(self._global(x) for x in (s.live, s.count, s.dfa, s.enabled, episode, s.drawn)),
             self.eos, self.tables, self.key, np.int32(min_idle),
-            windows=decode_windows(int(cache.index), r_max, cache.capacity))
+            windows=decode_windows(int(cache.index), r_max, cache.capacity, stages=1))
         out = out._replace(**{f: self._local(getattr(out, f)) for f in out._fields if f != "steps"})
         steps = int(out.steps)
         self.stats.decode_steps += steps

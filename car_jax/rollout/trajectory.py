@@ -79,9 +79,9 @@ class EpisodeStats:
 
     def utilisation(self, sampled_tokens: int | None = None) -> float:
         """Sampled tokens / (slots x decode steps): the share of slot-steps that sampled a
-        token (pass the token count of every process with several)."""
+        token (pass the token count of every process with several); NaN before any step."""
         tokens = self.sampled_tokens if sampled_tokens is None else sampled_tokens
-        return tokens / max(self.slots * self.decode_steps, 1)
+        return tokens / (self.slots * self.decode_steps) if self.decode_steps else float("nan")
 
     def mean_waiting(self, waiting_steps: int | None = None) -> float:
         """Episodes waiting for a slot, averaged over the decode steps."""

@@ -262,6 +262,11 @@ class Trainer:
             "response_tokens": float(sampled.mean()), "turns": float(turns.mean()), "tool_calls": float(calls.mean()),
             "tokens_per_s": float(sampled.sum()) / max(split.get("time/rollout", 0.0), 1e-9),
             "time/tools": stats.seconds_tools,
+            # the engine's (rollout/engine.py): sampled tokens / (slots x decode steps), device and
+            # tool seconds (tool calls overlap decoding), episodes waiting for a slot per decode step
+            "rollout/slot_utilisation": stats.utilisation(int(sampled.sum())),
+            "rollout/device_s": stats.seconds_device, "rollout/tool_s": stats.seconds_tools,
+            "rollout/waiting_episodes": stats.mean_waiting(int(hosts.allgather(np.array([stats.waiting_steps])).sum())),
         }
 
     def run(self) -> list[dict]:

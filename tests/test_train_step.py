@@ -4,7 +4,10 @@ log-probs (rl.recompute_old_logp), their mismatch with the sampler's, TIS."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import car_jax
 from car_jax import sharding as shd
@@ -299,6 +302,49 @@ def test_sharded_step_equals_unsharded(tiny):
     for k in m1:
         assert abs(float(m1[k]) - float(m2[k])) <= 1e-5, k
     assert int(s2.step) == 1
+
+
+def test_init_state_splits_the_moments_like_the_params(tiny):
+    """On the 8-device mesh each AdamW moment takes its param's layout from the sharding
+    table (a device holds its shard of the embedding's moments, not a whole copy), the
+    counters and the step are replicated, and the moments are the zeros the one-device
+    init makes."""
+    _, params = tiny
+    opt = make_optimizer(STEP_OPTIM)
+    mesh = car_jax.make_mesh(fsdp=4, tp=2)
+    state = init_state(shd.shard_params(jax.tree.map(jnp.copy, params), mesh, "train"), opt, mesh)
+    adam = state.opt_state[1][0]  # chain(clip, adamw): adamw = chain(scale_by_adam, weight decay, lr)
+    assert isinstance(adam, optax.ScaleByAdamState)
+    for moment in (adam.mu, adam.nu):
+        for path, x in shd.flatten_params(moment).items():
+            table = shd.param_sharding(path, x.shape, mesh)
+            assert x.sharding.is_equivalent_to(table, x.ndim), path
+            assert {s.data.shape for s in x.addressable_shards} == {table.shard_shape(x.shape)}, path
+            assert not np.asarray(x).any(), path
+    assert adam.mu["embed"].addressable_shards[0].data.shape == (CFG.vocab_size // 2, CFG.d_model // 4)
+    assert adam.count.sharding.is_fully_replicated and state.step.sharding.is_fully_replicated
+
+
+def test_checkpoint_with_replicated_moments_restores_split(tiny, tmp_path):
+    """A checkpoint written when init_state replicated the moments on every device restores
+    into the new layout (`abstract_state` of a fresh init_state): the same values, each
+    moment split as its param."""
+    from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
+    _, params = tiny
+    opt = make_optimizer(STEP_OPTIM)
+    mesh = car_jax.make_mesh(fsdp=4, tp=2)
+    state = init_state(shd.shard_params(jax.tree.map(jnp.copy, params), mesh, "train"), opt, mesh)
+    rng = np.random.default_rng(0)
+    old = state.replace(opt_state=jax.tree.map(  # random moments, replicated as the old init_state left them
+        lambda x: jax.device_put(rng.normal(size=x.shape).astype(x.dtype), NamedSharding(mesh, P())), state.opt_state))
+    with TrainCheckpointer(tmp_path / "ck", every=1, async_save=False) as ck:
+        ck.save(1, old, {})
+        restored, _ = ck.restore(1, abstract_state(state))
+    for a, b, fresh in zip(jax.tree.leaves(old.opt_state), jax.tree.leaves(restored.opt_state),
+                           jax.tree.leaves(state.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding.is_equivalent_to(fresh.sharding, b.ndim)
+    assert not restored.opt_state[1][0].mu["embed"].sharding.is_fully_replicated
 
 
 def test_sft_step_lowers_the_loss(tiny):

@@ -10,14 +10,12 @@ and compiles each program for `mesh` and reads `compiled.memory_analysis()`. On 
 a fake mesh of N devices is `XLA_FLAGS=--xla_force_host_platform_device_count=N`. The
 figures are per device: an SPMD program is compiled once for one device's shards.
 
-The AdamW moments are laid out as the params are (the sharding table's train layout),
-which is what `steps.init_state` means to produce (its jitted `optimizer.init` inherits the
-params' layout).
+The AdamW moments are laid out as the params are (the sharding table's train layout), as
+`steps.init_state` lays them out (`steps.opt_state_shardings`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +27,7 @@ from car_jax.models.config import ModelConfig, as_dtype
 from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN
 from car_jax.plan.shapes import Shapes
-from car_jax.rl.steps import BATCH_KEYS, TrainState, make_optimizer, make_train_step
+from car_jax.rl.steps import BATCH_KEYS, TrainState, make_optimizer, make_train_step, opt_state_shardings
 from car_jax.rollout import decode
 from car_jax.train.config import TrainConfig
 
@@ -80,24 +78,11 @@ def abstract_params(module: Decoder, mesh: Mesh):
 
 
 def abstract_state(params, optimizer, mesh: Mesh) -> TrainState:
-    """TrainState of ShapeDtypeStructs: each moment in its param's layout (found by the
-    param's path at the end of the moment's path, `...mu['layers']['attn']['q']`), the
-    counters and the step replicated."""
-    by_path = {_keys(path): x.sharding for path, x in jax.tree_util.tree_leaves_with_path(params)}
-    replicated = NamedSharding(mesh, P())
-
-    def place(path, x):
-        keys = _keys(path)
-        sharding = next((by_path[keys[i:]] for i in range(len(keys)) if keys[i:] in by_path), replicated)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    opt = jax.tree_util.tree_map_with_path(place, jax.eval_shape(optimizer.init, params))
-    return TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
-
-
-def _keys(path) -> tuple[str, ...]:
-    """The dict keys of a pytree path (attribute and index entries dropped)."""
-    return tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey))
+    """TrainState of ShapeDtypeStructs laid out as `steps.init_state` lays out a real one:
+    the moments as their params (`steps.opt_state_shardings`), counters and step replicated."""
+    params_sh = jax.tree.map(lambda x: x.sharding, params)
+    opt = _sds(jax.eval_shape(optimizer.init, params), opt_state_shardings(optimizer, params, params_sh, mesh))
+    return TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())))
 
 
 def _batch(mesh: Mesh, m: int, b: int, p: int, r: int) -> dict[str, jax.ShapeDtypeStruct]:

@@ -87,19 +87,36 @@ class TrainState:
 
 
 def init_state(params, optimizer: optax.GradientTransformation, mesh: Mesh | None = None) -> TrainState:
-    """Optimizer state created under jit, so moments inherit the params' shardings; with
-    a mesh, every leaf not already on it (step, counters) is replicated over it. Without
-    one, every leaf is committed to the params' device: a jitted step's outputs are, and
-    a state that mixes committed and uncommitted leaves would compile the step a second
-    time on its second call (a 10 s compile on CPU for a 135M model)."""
-    state = TrainState(params, jax.jit(optimizer.init)(params), jnp.zeros((), jnp.int32))
+    """The step-0 TrainState of `params`. With a mesh, the params keep their layout (a leaf
+    not yet on the mesh is replicated over it), the optimizer state is created on the mesh
+    by a jit whose outputs are laid out by `opt_state_shardings` (each AdamW moment as its
+    param, so the moments are split as the sharding table splits the weights; the counters
+    replicated), and the step is replicated. Without one, every leaf is committed to the
+    params' device: a jitted step's outputs are, and a state that mixes committed and
+    uncommitted leaves would compile the step a second time on its second call (a 10 s
+    compile on CPU for a 135M model)."""
     if mesh is None:
+        state = TrainState(params, jax.jit(optimizer.init)(params), jnp.zeros((), jnp.int32))
         leaf = jax.tree.leaves(params)[0]
         device = next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0]
         return jax.device_put(state, device)
     replicated = NamedSharding(mesh, P())
     on_mesh = lambda x: isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh  # noqa: E731
-    return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated), state)
+    params_sh = jax.tree.map(lambda x: x.sharding if on_mesh(x) else replicated, params)
+    params = jax.device_put(params, params_sh)
+    opt_sh = opt_state_shardings(optimizer, params, params_sh, mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+    return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated))
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params, params_shardings, mesh: Mesh):
+    """The optimizer state's shardings for params (arrays or ShapeDtypeStructs) laid out as
+    `params_shardings`: every copy of the param tree in the state (AdamW's mu and nu) takes
+    the params' shardings, found by `optax.tree_map_params`; every other leaf (counts) is
+    replicated over `mesh`."""
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, params),
+                                 params_shardings, transform_non_params=lambda _: replicated)
 
 
 def state_shardings(state: TrainState):

@@ -41,6 +41,17 @@ def build(name: str, folder, seed: int = 0, **overrides):
     return model
 
 
+def build_agent(folder, **overrides):
+    """A tiny random llama with SmolLM2's vocabulary and its tokenizer saved beside it: an HF
+    folder `car-jax train` / `eval` load like a real policy (it writes no sensible text)."""
+    from car_jax.assets import smollm2_gguf
+    from car_jax.models.api import load_tokenizer
+
+    build("llama", folder, vocab_size=49152, **overrides)
+    load_tokenizer(smollm2_gguf()).save_pretrained(str(folder))
+    return folder
+
+
 def hf_logits(model, tokens) -> np.ndarray:
     with torch.no_grad():
         return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()

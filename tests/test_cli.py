@@ -52,7 +52,7 @@ def no_model(monkeypatch):
 @pytest.mark.parametrize("argv, key", [
     (["train", "rollout.group_size=0"], "rollout.group_size: 0 must be >= 2"),
     (["train", "rollout.group_size=1"], "rollout.group_size: 1 must be >= 2"),
-    (["train", "rl.steps=-3"], "rl.steps: -3 must be >= 1"),
+    (["train", "rl.steps=-3"], "rl.steps: -3 must be >= 0"),
     (["train", "rl.optim.lr=0"], "rl.optim.lr: 0.0 must be > 0"),
     (["train", "rl.kl_cof=0.1"], "unknown key 'rl.kl_cof'"),
     (["train", "--config", "no/such.yaml"], "--config: config file 'no/such.yaml' does not exist"),

@@ -4,21 +4,16 @@ import shutil
 
 import pytest
 
-from car_jax.assets import smollm2_gguf
 from car_jax.config import load_config
-from car_jax.models.api import load_tokenizer
 from car_jax.train.config import TrainConfig
 from car_jax.train.log import read_metrics
 from car_jax.train.trainer import train
-from tests.hf_factory import build
+from tests.hf_factory import build_agent
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_policy")
-    build("llama", folder, vocab_size=49152, hidden_size=32)
-    load_tokenizer(smollm2_gguf()).save_pretrained(str(folder))
-    return folder
+    return build_agent(tmp_path_factory.mktemp("tiny_policy"), hidden_size=32)
 
 
 def config(folder, run_dir, steps):

@@ -148,6 +148,13 @@ def _bootstrap_stats(correct, q, key, n_bins: int, n_boot: int) -> jax.Array:
     return jax.lax.map(one, jax.random.split(key, n_boot), batch_size=16)
 
 
+def bootstrap_draws(correct, confidence, n_bins: int = 10, n_boot: int = 1000, seed: int = 0) -> np.ndarray:
+    """The metrics of n_boot resamples (with replacement) of the B samples:
+    bool[B], float[B] -> f64[n_boot, len(KEYS)], columns in KEYS order; NaN where undefined."""
+    c, q = check_inputs(correct, confidence)
+    return np.asarray(_bootstrap_stats(c, q, jax.random.key(seed), n_bins, n_boot), np.float64)
+
+
 def bootstrap_ci(correct, confidence, n_bins: int = 10, n_boot: int = 1000,
                  level: float = 0.95, seed: int = 0) -> dict[str, tuple[float, float]]:
     """Percentile bootstrap intervals: resample the B samples with replacement n_boot times.
@@ -155,8 +162,7 @@ def bootstrap_ci(correct, confidence, n_bins: int = 10, n_boot: int = 1000,
     Returns {name: (low, high)} for every name in KEYS at the given two-sided level; resamples
     where a metric is undefined (NaN) are left out of that metric's interval.
     """
-    c, q = check_inputs(correct, confidence)
-    stats = np.asarray(_bootstrap_stats(c, q, jax.random.key(seed), n_bins, n_boot))
+    stats = bootstrap_draws(correct, confidence, n_bins, n_boot, seed)
     tail = 100 * (1 - level) / 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns give NaN bounds

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "car_jax.cli.eval",  # eval
     "car_jax.cli.pilot",  # pilot
     "car_jax.cli.plan",  # plan
+    "car_jax.cli.experiment",  # experiment
 )
 
 

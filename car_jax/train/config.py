@@ -110,7 +110,7 @@ class RolloutConfig(EpisodeConfig):
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    steps: int = 100
+    steps: int = 100  # 0: the SFT warm start alone (needs sft.steps > 0), exported as run.dir/hf
     prompts_per_step: int = 512
     mini_batch: int = 0  # trajectories per optimizer update; 0 = the whole step's batch
     micro_batch: int = 0  # trajectories per gradient micro-batch; 0 = the mini-batch
@@ -121,7 +121,7 @@ class RLConfig:
     optim: OptimConfig = OptimConfig(lr=1e-6, warmup_steps=0, grad_clip=1.0)
 
     def __post_init__(self):
-        require(self.steps >= 1, "steps", self.steps, ">= 1 (GRPO steps to run)")
+        require(self.steps >= 0, "steps", self.steps, ">= 0 (GRPO steps to run; 0: SFT only)")
         require(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step, ">= 1")
         for f in ("mini_batch", "micro_batch"):
             require(getattr(self, f) >= 0, f, getattr(self, f), ">= 0 (0: the whole step's / mini-batch's rows)")
@@ -176,6 +176,8 @@ class TrainConfig:
 
     def __post_init__(self):
         require(self.seed >= 0, "seed", self.seed, ">= 0")
+        require(self.rl.steps >= 1 or self.sft.steps >= 1, "rl.steps", self.rl.steps,
+                ">= 1, or 0 with sft.steps >= 1 for a run that only does the SFT warm start")
         rl, n = self.rl, self.rl.prompts_per_step * self.rollout.group_size
         mini = rl.mini_batch or n
         micro = rl.micro_batch or mini

@@ -27,23 +27,50 @@ FOUND_CONFIDENCE = 90  # what a demonstration states when the documents hold the
 MISSING_CONFIDENCE = 10  # ... and when they do not
 
 
-def world_demos(examples, retriever, template: str = "search") -> list[dict]:
+def demo_confidences(n: int, confidence: int | str, found: list[bool], seed: int = 0) -> list[int]:
+    """The confidence (0-100) each of `n` demonstrations states:
+    "informative"  FOUND_CONFIDENCE when its documents hold the answer, else MISSING_CONFIDENCE;
+    an int c       c for every demonstration (no information about correctness);
+    "random"       independent uniform integers in [0, 100] (numpy, `seed`): no information either.
+    """
+    if confidence == "informative":
+        return [FOUND_CONFIDENCE if f else MISSING_CONFIDENCE for f in found]
+    if confidence == "random":
+        return np.random.default_rng(seed).integers(0, 101, size=n).tolist()
+    if isinstance(confidence, int) and not isinstance(confidence, bool) and 0 <= confidence <= 100:
+        return [confidence] * n
+    raise ValueError(f"confidence={confidence!r}: give 'informative', 'random' or an integer in [0, 100]")
+
+
+def world_demos(examples, retriever, template: str = "search", confidence: int | str = "informative",
+                seed: int = 0) -> list[dict]:
     """One search demonstration per example: search the question, read the documents,
-    answer with the gold answer and a high confidence when the documents contain it,
-    else say "unknown" with a low confidence."""
+    answer with the gold answer when the documents contain it, else say "unknown"; the
+    stated confidence follows `confidence` (`demo_confidences`: by default high when the
+    documents hold the answer, low otherwise)."""
     observations = retriever([ex.question for ex in examples])
+    found = [any(normalize_answer(g) in normalize_answer(docs) for g in ex.golden_answers)
+             for ex, docs in zip(examples, observations)]
+    stated = demo_confidences(len(examples), confidence, found, seed)
     demos = []
-    for ex, docs in zip(examples, observations):
-        found = any(normalize_answer(g) in normalize_answer(docs) for g in ex.golden_answers)
-        answer = ex.golden_answers[0] if found else "unknown"
-        thought = "The documents give the answer." if found else "The documents do not say."
+    for ex, docs, hit, conf in zip(examples, observations, found, stated):
+        answer = ex.golden_answers[0] if hit else "unknown"
+        thought = "The documents give the answer." if hit else "The documents do not say."
         demos.append({"messages": make_prompt(ex, template), "segments": [
             {"text": f"<think> I should look this up. </think>\n<search> {ex.question} </search>", "train": True},
             {"text": f"\n\n<information>{docs.strip()}</information>\n\n", "train": False},
-            {"text": f"<think> {thought} </think>\n<answer> {answer} </answer>\n<confidence> "
-                     f"{FOUND_CONFIDENCE if found else MISSING_CONFIDENCE} </confidence>", "train": True},
+            {"text": f"<think> {thought} </think>\n<answer> {answer} </answer>\n<confidence> {conf} </confidence>",
+             "train": True},
         ]})
     return demos
+
+
+def write_demos(demos: list[dict], path: str | Path) -> Path:
+    """Demonstrations as the JSONL `read_demos` reads (`sft.data=<path>`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in demos), encoding="utf-8")
+    return path
 
 
 def read_demos(path: str | Path) -> list[dict]:

@@ -1,0 +1,103 @@
+"""The experiment's statistics over seeds and examples (host numpy; the per-sample metrics are
+`car_jax.calibration.metrics`'s).
+
+A policy arm has one set of eval records per seed. Its point estimate of a metric is the mean
+over seeds of the metric on each seed's records. Its 95% interval is a two-level percentile
+bootstrap: each draw resamples the seeds with replacement and, within each drawn seed, the
+examples (metrics.bootstrap_draws), and averages the drawn seeds' metrics. With one seed it
+is the ordinary example bootstrap. Comparisons with the baseline arm (differences, relative
+ECE change) take the draw-by-draw difference or ratio of the two arms' independent draws.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import numpy as np
+
+from car_jax.calibration import metrics
+
+REPORTED = ("accuracy", "ece", "mcip", "auroc", "brier", "mean_confidence")
+
+
+def arrays(records: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([r["correct"] for r in records], bool),
+            np.array([r["confidence"] for r in records], np.float32))
+
+
+def seed_metrics(records: Sequence[dict]) -> dict[str, float]:
+    """The metrics (metrics.KEYS) of one seed's records; NaN where undefined, no warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return {k: float(v) for k, v in metrics.calibration(*arrays(records)).items() if k in metrics.KEYS}
+
+
+def arm_draws(per_seed: Sequence[Sequence[dict]], n_boot: int, seed: int = 0) -> np.ndarray:
+    """f64[n_boot, len(metrics.KEYS)]: the two-level bootstrap draws of an arm's
+    seed-averaged metrics (module docstring)."""
+    inner = np.stack([metrics.bootstrap_draws(*arrays(recs), n_boot=n_boot, seed=seed + 7919 * i)
+                      for i, recs in enumerate(per_seed)])  # [S, n_boot, K]
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, len(per_seed), size=(n_boot, len(per_seed)))  # drawn seeds, [n_boot, S]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a draw whose metric is undefined everywhere
+        return np.nanmean(inner[pick, np.arange(n_boot)[:, None]], axis=1)
+
+
+def interval(draws: np.ndarray) -> tuple[float, float]:
+    """The 95% percentile interval of 1-d draws (NaN draws left out; NaN when none is left)."""
+    draws = draws[~np.isnan(draws)]
+    if not draws.size:
+        return float("nan"), float("nan")
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def arm_summary(per_seed: Sequence[Sequence[dict]], n_boot: int, seed: int = 0) -> dict:
+    """{metric: {"mean", "lo", "hi", "per_seed"}} for REPORTED, plus "n" (examples per seed),
+    "seeds", and "_draws" (the bootstrap draws, for comparisons; not written out)."""
+    points = [seed_metrics(recs) for recs in per_seed]
+    draws = arm_draws(per_seed, n_boot, seed)
+    out = {"n": [len(r) for r in per_seed], "seeds": len(per_seed), "_draws": draws}
+    for k in REPORTED:
+        vals = np.array([p[k] for p in points])
+        lo, hi = interval(draws[:, metrics.KEYS.index(k)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean = float(np.nanmean(vals)) if not np.all(np.isnan(vals)) else float("nan")
+        out[k] = {"mean": mean, "lo": lo, "hi": hi, "per_seed": vals.tolist()}
+    return out
+
+
+def compare(arm: dict, base: dict) -> dict:
+    """Arm minus baseline: {"d_<metric>": {"mean", "lo", "hi"}} for REPORTED and
+    "rel_ece" (ECE_arm / ECE_base - 1, with its interval from the draws' ratios)."""
+    out = {}
+    for k in REPORTED:
+        i = metrics.KEYS.index(k)
+        lo, hi = interval(arm["_draws"][:, i] - base["_draws"][:, i])
+        out[f"d_{k}"] = {"mean": arm[k]["mean"] - base[k]["mean"], "lo": lo, "hi": hi}
+    i = metrics.KEYS.index("ece")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = arm["_draws"][:, i] / base["_draws"][:, i] - 1
+        point = arm["ece"]["mean"] / base["ece"]["mean"] - 1 if base["ece"]["mean"] else float("nan")
+    lo, hi = interval(ratio[np.isfinite(ratio)])
+    out["rel_ece"] = {"mean": float(point), "lo": lo, "hi": hi}
+    return out
+
+
+def verdict(diff: dict, arm: str, base: str, split: str, acc_margin: float = 0.05) -> str:
+    """One honest sentence on "the arm lowers ECE at equal accuracy" from `compare`'s output:
+    supported when the ECE difference's interval lies below 0 and the accuracy difference's
+    interval lies within +-acc_margin of 0 or above it; contradicted when the ECE interval lies
+    above 0; otherwise not resolved by this experiment."""
+    e, a = diff["d_ece"], diff["d_accuracy"]
+    nums = (f"ECE {e['mean']:+.3f} [{e['lo']:+.3f}, {e['hi']:+.3f}], accuracy {a['mean']:+.3f} "
+            f"[{a['lo']:+.3f}, {a['hi']:+.3f}] against {base}")
+    if e["hi"] < 0 and a["lo"] >= -acc_margin:
+        return f"{split}: supported. {arm} lowers ECE without losing accuracy ({nums})."
+    if e["hi"] < 0:
+        return f"{split}: ECE is lower, but accuracy drops. {arm} is not better at equal accuracy ({nums})."
+    if e["lo"] > 0:
+        return f"{split}: contradicted. {arm} raises ECE ({nums})."
+    return f"{split}: not resolved. The interval of the ECE difference includes 0 ({nums})."

@@ -1,0 +1,151 @@
+"""`car-jax experiment` end to end on a tiny random model (warm start, 2 arms x 1 seed x 2 GRPO
+steps, evaluations on two splits, the equivalence runs) and its report, whose numbers are
+re-derived here from the per-example samples files; plus the statistics on hand-made records."""
+import json
+
+import numpy as np
+import pytest
+
+from car_jax.config import ConfigError, load_config
+from car_jax.experiment import ExperimentConfig, stats
+from car_jax.train.sft import demo_confidences
+from tests.hf_factory import build_agent
+
+
+def _ece(correct, q):
+    """10 equal-width bins, written out here."""
+    correct, q = np.asarray(correct, float), np.asarray(q, np.float32)
+    bins = np.minimum(np.floor(q * 10).astype(int), 9)
+    return sum(abs(correct[bins == b].mean() - q[bins == b].astype(float).mean()) * (bins == b).mean()
+               for b in np.unique(bins))
+
+
+def _records(correct, q):
+    return [{"correct": bool(c), "confidence": float(x)} for c, x in zip(correct, q)]
+
+
+def test_seed_averaged_point_and_bootstrap_interval():
+    rng = np.random.default_rng(3)
+    per_seed = [_records(rng.random(40) < p, rng.random(40)) for p in (0.3, 0.6, 0.5)]
+    s = stats.arm_summary(per_seed, n_boot=400, seed=1)
+    accs = [np.mean([r["correct"] for r in recs]) for recs in per_seed]
+    eces = [_ece([r["correct"] for r in recs], [r["confidence"] for r in recs]) for recs in per_seed]
+    assert s["accuracy"]["mean"] == pytest.approx(np.mean(accs)) and s["accuracy"]["per_seed"] == pytest.approx(accs)
+    assert s["ece"]["mean"] == pytest.approx(np.mean(eces), abs=1e-6)
+    # the interval holds the point, and seeds that disagree widen it beyond one seed's own
+    assert s["accuracy"]["lo"] < s["accuracy"]["mean"] < s["accuracy"]["hi"]
+    one = stats.arm_summary([per_seed[1]] * 3, n_boot=400, seed=1)
+    assert one["accuracy"]["hi"] - one["accuracy"]["lo"] < s["accuracy"]["hi"] - s["accuracy"]["lo"]
+    d = stats.compare(s, one)
+    assert d["d_accuracy"]["mean"] == pytest.approx(np.mean(accs) - accs[1])
+    assert d["rel_ece"]["mean"] == pytest.approx(np.mean(eces) / eces[1] - 1, rel=1e-5)
+
+
+def test_verdict_reads_the_intervals():
+    lower = {"d_ece": {"mean": -0.1, "lo": -0.15, "hi": -0.05}, "d_accuracy": {"mean": 0.0, "lo": -0.02, "hi": 0.03}}
+    assert "supported" in stats.verdict(lower, "car", "vanilla", "id")
+    unsure = {**lower, "d_ece": {"mean": -0.02, "lo": -0.08, "hi": 0.03}}
+    assert "not resolved" in stats.verdict(unsure, "car", "vanilla", "id")
+    worse = {**lower, "d_ece": {"mean": 0.1, "lo": 0.02, "hi": 0.2}}
+    assert "contradicted" in stats.verdict(worse, "car", "vanilla", "id")
+    costly = {**lower, "d_accuracy": {"mean": -0.2, "lo": -0.3, "hi": -0.1}}
+    assert "accuracy drops" in stats.verdict(costly, "car", "vanilla", "id")
+
+
+def test_uninformative_demonstration_confidences():
+    found = [True, False, True, False]
+    assert demo_confidences(4, "informative", found) == [90, 10, 90, 10]
+    assert demo_confidences(4, 50, found) == [50] * 4
+    drawn = demo_confidences(400, "random", [True] * 400, seed=2)
+    assert drawn == demo_confidences(400, "random", [False] * 400, seed=2)  # independent of correctness
+    assert min(drawn) >= 0 and max(drawn) <= 100 and len(set(drawn)) > 50
+    with pytest.raises(ValueError, match="'informative', 'random' or an integer"):
+        demo_confidences(2, 150, found)
+    with pytest.raises(ConfigError, match="warm_start.confidence"):
+        load_config(ExperimentConfig, None, ["warm_start.confidence=sometimes"])
+    with pytest.raises(ConfigError, match="baseline"):
+        load_config(ExperimentConfig, None, ["baseline=nobody"])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_agent(tmp_path_factory.mktemp("tiny_experiment"), hidden_size=32)
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_experiment_then_report_matches_its_samples(tiny, tmp_path, monkeypatch, capsys):
+    from car_jax import cli
+
+    monkeypatch.setenv("CAR_JAX_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "exp"
+    argv = ["experiment", f"dir={root}", "seeds=[0]",
+            "arms={vanilla: {kind: binary}, car: {kind: mscr}}",
+            f"train.model.path={tiny}", "train.data.limit=8", "train.rl.steps=2", "train.rl.prompts_per_step=2",
+            "train.rollout.group_size=2", "train.rollout.max_turns=1", "train.rollout.max_response_tokens=8",
+            "train.rollout.max_obs_tokens=32", "train.mesh.devices=1", "train.run.checkpoint_every=1",
+            "train.run.tensorboard=false", "warm_start.steps=2", "warm_start.batch=4", "eval.batch_size=4",
+            "eval.n_boot=200", "eval.episode.max_turns=1", "eval.episode.max_response_tokens=8",
+            "eval.episode.max_obs_tokens=32", "equivalence.steps=2",
+            "eval.splits={id: {path: world, split: dev, limit: 4}, other: {path: world, split: train, limit: 4}}"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "# Results" in printed and "wrote" in printed
+    demos = _lines(root / "warm" / "demos.jsonl")
+    assert len(demos) == 8 and all("<confidence> 50 </confidence>" in d["segments"][-1]["text"] for d in demos)
+
+    res = json.loads((root / "report" / "results.json").read_text())
+    md = (root / "report" / "RESULTS.md").read_text()
+    for split, n in (("id", 4), ("other", 4)):
+        for policy in ("warm", "vanilla-s0", "car-s0"):
+            samples = _lines(root / "evals" / policy / split / "samples.jsonl")
+            assert len(samples) == n
+            c = [s["correct"] for s in samples]
+            q = [s["confidence"] for s in samples]
+            got = res["splits"][split]["policies"][policy.removesuffix("-s0")]
+            assert got["n"] == [n]
+            assert got["accuracy"]["mean"] == pytest.approx(np.mean(c))
+            assert got["ece"]["mean"] == pytest.approx(_ece(c, q), abs=1e-6)
+            assert got["brier"]["mean"] == pytest.approx(np.mean((np.asarray(q) - np.asarray(c, float)) ** 2), abs=1e-6)
+        assert f"{res['splits'][split]['policies']['car']['accuracy']['mean']:.3f}" in md
+        assert res["splits"][split]["verdicts"]["car"].startswith(f"{split}:")
+    # per split: a row in its metrics table and one in its comparison with the baseline
+    assert len([line for line in md.splitlines() if line.startswith("| car |")]) == 4
+    eq = res["equivalence"]
+    assert [s["step"] for s in eq["steps"]] == [1, 2]
+    assert all(s["ratio"] == pytest.approx(2.0, rel=1e-5) for s in eq["steps"])  # b = 1: MSCR = 2 x weighted Brier
+    for name in ("curves.png", "reliability_id.png", "reliability_other.png"):
+        assert (root / "report" / name).read_bytes()[:4] == b"\x89PNG"
+
+    # everything is done: a rerun runs no unit and rewrites the same numbers
+    timed = len(_lines(root / "progress.jsonl"))
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    assert len(_lines(root / "progress.jsonl")) == timed
+    assert json.loads((root / "report" / "results.json").read_text())["splits"] == res["splits"]
+    assert cli.main([*argv, "--status"]) == 0
+    assert f"{timed} of {timed} units done" in capsys.readouterr().out
+    # the folder keeps its config: another one is refused before anything runs
+    assert cli.main([*argv, "train.rl.steps=3"]) == 2
+    assert "another config" in capsys.readouterr().err
+
+    # a tiny random model is never right: give one policy's samples varied values, so that
+    # the report (rebuilt from the files alone) has numbers worth re-deriving
+    path = root / "evals" / "car-s0" / "id" / "samples.jsonl"
+    rows = _lines(path)
+    for r, c, q in zip(rows, (True, False, True, False), (0.9, 0.7, 0.35, 0.1)):
+        r.update(correct=c, confidence=q)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main([*argv, "--report", "--report-to", str(tmp_path / "rep")]) == 0
+    capsys.readouterr()
+    res = json.loads((tmp_path / "rep" / "results.json").read_text())["splits"]["id"]
+    car, base = res["policies"]["car"], res["policies"]["vanilla"]
+    assert car["accuracy"]["mean"] == pytest.approx(0.5) and car["ece"]["mean"] == pytest.approx(
+        _ece([1, 0, 1, 0], [0.9, 0.7, 0.35, 0.1]), abs=1e-6)  # = (0.1 + 0.7 + 0.65 + 0.1) / 4
+    assert car["auroc"]["mean"] == pytest.approx(0.75)  # pairs (0.9, 0.7) (0.9, 0.1) (0.35, 0.1) right, (0.35, 0.7) not
+    assert car["accuracy"]["lo"] <= 0.5 <= car["accuracy"]["hi"] and car["accuracy"]["hi"] > car["accuracy"]["lo"]
+    d = res["vs_baseline"]["car"]
+    assert d["d_accuracy"]["mean"] == pytest.approx(0.5 - base["accuracy"]["mean"])
+    assert "| car | 0.500" in (tmp_path / "rep" / "RESULTS.md").read_text()

@@ -149,3 +149,18 @@ def test_experiment_then_report_matches_its_samples(tiny, tmp_path, monkeypatch,
     d = res["vs_baseline"]["car"]
     assert d["d_accuracy"]["mean"] == pytest.approx(0.5 - base["accuracy"]["mean"])
     assert "| car | 0.500" in (tmp_path / "rep" / "RESULTS.md").read_text()
+
+
+def test_shipped_experiment_configs_load_and_plan():
+    from pathlib import Path
+
+    from car_jax.experiment import plan
+
+    paths = sorted((Path(__file__).resolve().parents[1] / "configs" / "experiment").glob("*.yaml"))
+    assert paths
+    for path in paths:
+        cfg = load_config(ExperimentConfig, path)
+        units = plan(cfg)
+        n_runs = len(cfg.arms) * len(cfg.seeds)
+        assert len(units) == 1 + n_runs + (1 + n_runs) * len(cfg.eval.splits) + 2 * bool(cfg.equivalence.steps)
+        assert cfg.warm_start.confidence != "informative"  # the experiment's warm start says nothing

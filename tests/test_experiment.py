@@ -96,7 +96,7 @@ def test_experiment_then_report_matches_its_samples(tiny, tmp_path, monkeypatch,
     demos = _lines(root / "warm" / "demos.jsonl")
     assert len(demos) == 8 and all("<confidence> 50 </confidence>" in d["segments"][-1]["text"] for d in demos)
 
-    res = json.loads((root / "report" / "results.json").read_text())
+    res = json.loads((root / "report" / "results" / "results.json").read_text())
     md = (root / "report" / "RESULTS.md").read_text()
     for split, n in (("id", 4), ("other", 4)):
         for policy in ("warm", "vanilla-s0", "car-s0"):
@@ -112,19 +112,21 @@ def test_experiment_then_report_matches_its_samples(tiny, tmp_path, monkeypatch,
         assert f"{res['splits'][split]['policies']['car']['accuracy']['mean']:.3f}" in md
         assert res["splits"][split]["verdicts"]["car"].startswith(f"{split}:")
     # per split: a row in its metrics table and one in its comparison with the baseline
-    assert len([line for line in md.splitlines() if line.startswith("| car |")]) == 4
+    assert len([line for line in md.splitlines() if line.startswith("| car (1 seed) |")]) == 2
+    assert len([line for line in md.splitlines() if line.startswith("| car |")]) == 2
+    assert "Partial report" not in md
     eq = res["equivalence"]
     assert [s["step"] for s in eq["steps"]] == [1, 2]
     assert all(s["ratio"] == pytest.approx(2.0, rel=1e-5) for s in eq["steps"])  # b = 1: MSCR = 2 x weighted Brier
     for name in ("curves.png", "reliability_id.png", "reliability_other.png"):
-        assert (root / "report" / name).read_bytes()[:4] == b"\x89PNG"
+        assert (root / "report" / "results" / name).read_bytes()[:4] == b"\x89PNG"
 
     # everything is done: a rerun runs no unit and rewrites the same numbers
     timed = len(_lines(root / "progress.jsonl"))
     assert cli.main(argv) == 0
     capsys.readouterr()
     assert len(_lines(root / "progress.jsonl")) == timed
-    assert json.loads((root / "report" / "results.json").read_text())["splits"] == res["splits"]
+    assert json.loads((root / "report" / "results" / "results.json").read_text())["splits"] == res["splits"]
     assert cli.main([*argv, "--status"]) == 0
     assert f"{timed} of {timed} units done" in capsys.readouterr().out
     # the folder keeps its config: another one is refused before anything runs
@@ -140,7 +142,7 @@ def test_experiment_then_report_matches_its_samples(tiny, tmp_path, monkeypatch,
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert cli.main([*argv, "--report", "--report-to", str(tmp_path / "rep")]) == 0
     capsys.readouterr()
-    res = json.loads((tmp_path / "rep" / "results.json").read_text())["splits"]["id"]
+    res = json.loads((tmp_path / "rep" / "results" / "results.json").read_text())["splits"]["id"]
     car, base = res["policies"]["car"], res["policies"]["vanilla"]
     assert car["accuracy"]["mean"] == pytest.approx(0.5) and car["ece"]["mean"] == pytest.approx(
         _ece([1, 0, 1, 0], [0.9, 0.7, 0.35, 0.1]), abs=1e-6)  # = (0.1 + 0.7 + 0.65 + 0.1) / 4
@@ -148,7 +150,16 @@ def test_experiment_then_report_matches_its_samples(tiny, tmp_path, monkeypatch,
     assert car["accuracy"]["lo"] <= 0.5 <= car["accuracy"]["hi"] and car["accuracy"]["hi"] > car["accuracy"]["lo"]
     d = res["vs_baseline"]["car"]
     assert d["d_accuracy"]["mean"] == pytest.approx(0.5 - base["accuracy"]["mean"])
-    assert "| car | 0.500" in (tmp_path / "rep" / "RESULTS.md").read_text()
+    assert "| car (1 seed) | 0.500" in (tmp_path / "rep" / "RESULTS.md").read_text()
+
+    # an evaluation not finished yet: the report leaves that policy out of its split and says so
+    (root / "evals" / "car-s0" / "other" / "summary.json").unlink()
+    assert cli.main([*argv, "--report", "--report-to", str(tmp_path / "rep2")]) == 0
+    capsys.readouterr()
+    part = json.loads((tmp_path / "rep2" / "results" / "results.json").read_text())
+    assert not part["complete"] and set(part["splits"]["other"]["policies"]) == {"warm", "vanilla"}
+    assert part["splits"]["id"]["policies"]["car"]["accuracy"]["mean"] == pytest.approx(0.5)
+    assert "Partial report" in (tmp_path / "rep2" / "RESULTS.md").read_text()
 
 
 def test_shipped_experiment_configs_load_and_plan():

@@ -1,4 +1,5 @@
-"""The experiment's report, rebuilt from its run folders alone (`car-jax experiment --report`):
+"""The experiment's report, rebuilt from its run folders alone (`car-jax experiment --report`),
+written to a folder (default <dir>/report): RESULTS.md there, the rest in its `results/`:
 
     results.json     every number below (per split: each policy's metrics with intervals and
                      per-seed values; each arm against the baseline; the equivalence check)
@@ -23,8 +24,9 @@ from car_jax.calibration import metrics
 from car_jax.eval.runner import SAMPLES_FILE, read_samples
 from car_jax.experiment import stats
 from car_jax.experiment.config import ExperimentConfig
-from car_jax.experiment.runner import PROGRESS_FILE, equivalence_rewards, status
+from car_jax.experiment.runner import PROGRESS_FILE, equivalence_rewards, is_done, plan, status
 
+ASSETS = "results"  # the folder beside RESULTS.md that holds its figures and results.json
 CURVE_KEYS = (("reward", "reward"), ("ece", "ECE (train rollouts)"), ("confidence", "mean confidence"))
 EQUIV_KEYS = ("loss", "kl", "entropy", "accuracy", "ece", "confidence", "grad_norm")
 
@@ -34,14 +36,19 @@ def _rows(path: Path) -> list[dict]:
 
 
 def collect(cfg: ExperimentConfig) -> dict:
-    """{split: {"warm": [records], arm: [[records of seed s] for s in seeds]}} from evals/;
-    raises FileNotFoundError naming the first eval that is missing."""
+    """{split: {"warm": [records], arm: [[records of seed s] for each evaluated seed]}} from
+    evals/, with only the evaluations that are complete (a policy with none is left out), so
+    a report can be made while the experiment is still running."""
     root, out = Path(cfg.dir), {}
+    done = {u.name for u in plan(cfg) if u.kind == "eval" and is_done(u)}
     for split in cfg.eval.splits:
-        out[split] = {"warm": [read_samples(root / "evals" / "warm" / split / SAMPLES_FILE)]}
-        for arm in cfg.arms:
-            out[split][arm] = [read_samples(root / "evals" / f"{arm}-s{s}" / split / SAMPLES_FILE)
-                               for s in cfg.seeds]
+        out[split] = {}
+        for policy, seeds in [("warm", [None])] + [(arm, list(cfg.seeds)) for arm in cfg.arms]:
+            names = [policy if s is None else f"{policy}-s{s}" for s in seeds]
+            recs = [read_samples(root / "evals" / n / split / SAMPLES_FILE) for n in names
+                    if f"eval/{n}/{split}" in done]
+            if recs:
+                out[split][policy] = recs
     return out
 
 
@@ -70,16 +77,19 @@ def build(cfg: ExperimentConfig) -> dict:
     for split, policies in data.items():
         summ = {name: stats.arm_summary(recs, cfg.eval.n_boot, seed=i)
                 for i, (name, recs) in enumerate(policies.items())}
-        base = summ[cfg.baseline]
-        vs = {arm: stats.compare(summ[arm], base) for arm in cfg.arms if arm != cfg.baseline}
+        base = summ.get(cfg.baseline)
+        vs = {} if base is None else {arm: stats.compare(summ[arm], base) for arm in cfg.arms
+                                      if arm != cfg.baseline and arm in summ}
         res["splits"][split] = {
             "policies": {k: {m: v for m, v in s.items() if m != "_draws"} for k, s in summ.items()},
             "vs_baseline": vs,
             "verdicts": {arm: stats.verdict(d, arm, cfg.baseline, split) for arm, d in vs.items()}}
     res["equivalence"] = equivalence_check(cfg)
     progress = _rows(Path(cfg.dir) / PROGRESS_FILE)
+    done = [d for _, d in status(cfg)]
     res["budget"] = {"units_timed": len(progress), "seconds": sum(p["seconds"] for p in progress),
-                     "units": len(status(cfg))}
+                     "units": len(done), "units_done": sum(done)}
+    res["complete"] = all(done)
     return res
 
 
@@ -90,12 +100,14 @@ def curves_figure(cfg: ExperimentConfig, path: Path) -> None:
     fig = Figure(figsize=(12, 3.4), dpi=110)
     axes = fig.subplots(1, len(CURVE_KEYS))
     for color, arm in zip(("tab:gray", "tab:blue", "tab:red", "tab:green", "tab:purple"), cfg.arms):
-        runs = [_rows(Path(cfg.dir) / "runs" / f"{arm}-s{s}" / "metrics.jsonl") for s in cfg.seeds]
+        runs = [r for s in cfg.seeds if (r := _rows(Path(cfg.dir) / "runs" / f"{arm}-s{s}" / "metrics.jsonl"))]
+        if not runs:
+            continue
         for ax, (key, label) in zip(axes, CURVE_KEYS):
             for rows in runs:
                 ax.plot([r["step"] for r in rows], [r[key] for r in rows], color=color, alpha=0.25, lw=0.8)
             n = min(len(r) for r in runs)
-            if n:
+            if n:  # the steps every seed has reached
                 mean = np.nanmean([[r[key] for r in rows[:n]] for rows in runs], axis=0)
                 ax.plot([r["step"] for r in runs[0][:n]], mean, color=color, lw=2, label=arm)
             ax.set(xlabel="GRPO step", title=label)
@@ -152,18 +164,23 @@ def markdown(cfg: ExperimentConfig, res: dict, commands: Sequence[str], figures:
              f"- Arms: " + ", ".join(f"`{a}` ({r.kind})" for a, r in cfg.arms.items())
              + f"; seeds {list(cfg.seeds)}; baseline `{cfg.baseline}`.",
              f"- Evaluation: greedy, splits " + ", ".join(
-                 f"`{s}` = {d.path}:{d.split} ({res['splits'][s]['policies']['warm']['n'][0]} questions)"
+                 f"`{s}` = {d.path}:{d.split} (the first {d.limit or 'all'} questions)"
                  for s, d in cfg.eval.splits.items()) + ".",
              f"- Intervals: 95%, two-level bootstrap over seeds and examples ({cfg.eval.n_boot} draws).",
              f"- Compute: {res['budget']['seconds'] / 3600:.2f} h over the {res['budget']['units_timed']} timed units "
              f"(of {res['budget']['units']}).", "",
              "## Commands", "", "```", *commands, "```", ""]
+    if not res["complete"]:
+        b = res["budget"]
+        lines[2:2] = ["**Partial report: the experiment is still running** "
+                      f"({b['units_done']} of {b['units']} units done). The tables hold the policies evaluated "
+                      "so far, each with the number of seeds it has; the verdict waits for every run.", ""]
     for split, sres in res["splits"].items():
         lines += [f"## Split `{split}`", "",
                   "| policy | accuracy | ECE | MCIP | AUROC | Brier | mean confidence |",
                   "|---|---|---|---|---|---|---|"]
         for name, p in sres["policies"].items():
-            label = "warm start (before RL)" if name == "warm" else name
+            label = "warm start (before RL)" if name == "warm" else f"{name} ({p['seeds']} seed{'s' * (p['seeds'] > 1)})"
             lines.append(f"| {label} | " + " | ".join(_cell(p[k]) for k in stats.REPORTED) + " |")
         lines += ["", f"Against `{cfg.baseline}` (difference, and ECE change relative to it):", "",
                   "| arm | accuracy diff | ECE diff | relative ECE change |", "|---|---|---|---|"]
@@ -188,8 +205,10 @@ def markdown(cfg: ExperimentConfig, res: dict, commands: Sequence[str], figures:
                          f"{s['ratio']:.4f} | {s['max_rel_diff']:.2e} ({s['worst']}) |")
         lines.append("")
     lines += ["## Verdict", ""]
+    if not res["complete"]:
+        lines.append("Not yet: the experiment is still running.")
     for split, sres in res["splits"].items():
-        lines += [f"- {v}" for v in sres["verdicts"].values()]
+        lines += [f"- {v}" for v in sres["verdicts"].values()] if res["complete"] else []
     lines.append("")
     return "\n".join(lines)
 
@@ -207,17 +226,17 @@ def _clean(x):
 
 def write_report(cfg: ExperimentConfig, out_dir: str | Path | None = None, commands: Sequence[str] = ()) -> Path:
     """Builds the report from cfg.dir's folders into out_dir (default <dir>/report): RESULTS.md,
-    results.json and the PNGs. Returns the RESULTS.md path."""
+    and results.json and the PNGs in out_dir/results. Returns the RESULTS.md path."""
     out = Path(out_dir) if out_dir else Path(cfg.dir) / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    (out / ASSETS).mkdir(parents=True, exist_ok=True)
     res = build(cfg)
-    figs = {"curves": "curves.png"}
+    figs = {"curves": f"{ASSETS}/curves.png"}
     curves_figure(cfg, out / figs["curves"])
     data = collect(cfg)
     for split in cfg.eval.splits:
-        figs[f"reliability_{split}"] = f"reliability_{split}.png"
+        figs[f"reliability_{split}"] = f"{ASSETS}/reliability_{split}.png"
         reliability_figure(data[split], split, out / figs[f"reliability_{split}"])
-    (out / "results.json").write_text(json.dumps(_clean(res), indent=2) + "\n")
+    (out / ASSETS / "results.json").write_text(json.dumps(_clean(res), indent=2) + "\n")
     path = out / "RESULTS.md"
     path.write_text(markdown(cfg, res, commands, figs))
     return path

@@ -23,9 +23,12 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from car_jax import hosts
 from car_jax.calibration import metrics
+from car_jax.data import load_dataset
+from car_jax.eval.job import output_dir, run_eval
 from car_jax.eval.runner import SAMPLES_FILE, read_samples, summarize
 
 GATE_FILE, GATE_PLOT = "gate.json", "gate.png"
@@ -96,8 +99,6 @@ def format_curve(curve: Sequence[dict], tau: float | None = None) -> str:
 def gate_plot(curve: Sequence[dict], path: str | Path, title: str = "confidence-gated tool use") -> None:
     """Accuracy and ECE (left axis) and tool calls per question (right axis) against TAU
     (matplotlib's object API, as `car_jax.calibration.plots`)."""
-    from matplotlib.figure import Figure
-
     tau = [r["tau"] for r in curve]
     fig = Figure(figsize=(5.5, 3.6), dpi=120)
     ax = fig.subplots()
@@ -119,8 +120,6 @@ def run_gate(cfg, tau: float, *, grid: Sequence[float] = DEFAULT_GRID, log=print
     in mode direct and in its own mode, under <output dir>/direct and /<mode> (both resume, so
     an interrupted gate run continues), then writes the gated files (module docstring) and
     returns gate.json's content."""
-    from car_jax.data import load_dataset
-    from car_jax.eval.job import output_dir, run_eval
 
     tau = check_tau(tau)
     if cfg.mode not in TOOL_MODES:

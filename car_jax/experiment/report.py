@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from car_jax.calibration import metrics
 from car_jax.eval.runner import SAMPLES_FILE, read_samples
@@ -95,8 +96,6 @@ def build(cfg: ExperimentConfig) -> dict:
 
 # ---------------------------------------------------------------- figures
 def curves_figure(cfg: ExperimentConfig, path: Path) -> None:
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(12, 3.4), dpi=110)
     axes = fig.subplots(1, len(CURVE_KEYS))
     for color, arm in zip(("tab:gray", "tab:blue", "tab:red", "tab:green", "tab:purple"), cfg.arms):
@@ -118,8 +117,6 @@ def curves_figure(cfg: ExperimentConfig, path: Path) -> None:
 
 def reliability_figure(records: dict, split: str, path: Path) -> None:
     """One reliability panel per policy ({name: [records of each seed]}), seeds pooled."""
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(3.2 * len(records), 3.4), dpi=110)
     axes = np.atleast_1d(fig.subplots(1, len(records)))
     edges = metrics.bin_edges(10)

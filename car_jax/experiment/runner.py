@@ -23,8 +23,14 @@ from pathlib import Path
 from typing import Callable
 
 from car_jax.calibration.rewards import RewardConfig
+from car_jax.data import load_dataset
+from car_jax.eval.config import EvalConfig, EvalModelConfig, OutputConfig
+from car_jax.eval.job import run_eval
 from car_jax.experiment.config import ExperimentConfig
+from car_jax.rollout.toolbox import open_tools
 from car_jax.train.config import SFTConfig, TrainConfig
+from car_jax.train.sft import world_demos, write_demos
+from car_jax.train.trainer import train
 
 PROGRESS_FILE = "progress.jsonl"
 EVAL_MODES = {"search": "search", "tir": "tir"}  # training template -> eval mode
@@ -59,8 +65,6 @@ def equivalence_rewards(b: float, format_penalty: float) -> dict[str, RewardConf
 
 def plan(cfg: ExperimentConfig) -> list[Unit]:
     """Every unit of the experiment, in the order they run."""
-    from car_jax.eval.config import EvalConfig, EvalModelConfig, OutputConfig
-
     root, t = Path(cfg.dir), cfg.train
     if t.data.template not in EVAL_MODES:
         raise ValueError(f"train.data.template={t.data.template!r}: the experiment evaluates search or tir "
@@ -104,8 +108,6 @@ def is_done(unit: Unit) -> bool:
         summary = unit.dir / "summary.json"
         if not summary.is_file():
             return False
-        from car_jax.data import load_dataset
-
         d = unit.config.data
         return json.loads(summary.read_text()).get("n") == len(load_dataset(d.path, split=d.split, limit=d.limit))
     last = unit.dir / "last_step.json"
@@ -117,10 +119,6 @@ def is_done(unit: Unit) -> bool:
 def write_warm_demos(cfg: TrainConfig, confidence, limit: int | None) -> Path:
     """The warm start's demonstrations (`sft.world_demos`) over the training questions,
     searched with the training retriever, written to cfg.sft.data (kept if present)."""
-    from car_jax.data import load_dataset
-    from car_jax.rollout.toolbox import open_tools
-    from car_jax.train.sft import world_demos, write_demos
-
     path = Path(cfg.sft.data)
     if path.is_file():
         return path
@@ -135,12 +133,8 @@ def write_warm_demos(cfg: TrainConfig, confidence, limit: int | None) -> Path:
 def run_unit(unit: Unit, cfg: ExperimentConfig, log: Callable = print) -> None:
     """Runs (or resumes) one unit in this process."""
     if unit.kind == "eval":
-        from car_jax.eval.job import run_eval
-
         run_eval(unit.config, label=unit.name, log=log)
         return
-    from car_jax.train.trainer import train
-
     if unit.kind == "warm":
         write_warm_demos(unit.config, cfg.warm_start.confidence, cfg.warm_start.limit)
     train(unit.config)

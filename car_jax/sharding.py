@@ -52,6 +52,10 @@ DATA_AXES: dict[str, tuple[str, ...]] = {
     "cache_v": ("layers", "batch", "kv_heads", "cache", "head_dim"),
     "cache_rows": ("batch", "cache"),  # bool[B, S]
     "rows": ("batch",),  # [B]
+    # the training forward's residual stream [B, T, D]: rows split like the batch, D whole on
+    # every device ("residual" has no rule: the weights' "embed" axis is split over fsdp in
+    # training, the activations' must not be, or each device runs every row's matmuls)
+    "hidden": ("batch", "time", "residual"),
 }
 
 # logical axis -> mesh axis (absent: replicated)

@@ -10,10 +10,12 @@ residual stream [X, D] of its rows whole and 1/tp of the heads, mlp and vocabula
 Two phases share the chip, and the peak is the larger:
   rollout = params + optimizer state + reference + KV cache + the rollout's temporaries
             (the widest prefill's, or the decode loop's: logits and the sampler's sort)
+            + gathered weights (fsdp > 1)
   train   = params + optimizer state + reference + the step's batch (every row's arrays)
-            + gradients + activations (the train step's temporaries)
+            + gradients + gathered weights and their gradients (fsdp > 1) + activations (the train step's temporaries)
 Gradients: the running sum over micro-batches and one micro-batch's, both in the param
-dtype. Activations of one micro-batch (b = micro rows / fsdp rows, X = b (P + R) tokens):
+dtype. With fsdp > 1 both phases gather one layer's and the vocabulary head's weights
+whole, and the train step holds their gradients before the reduce-scatter (`gathered_bytes`). Activations of one micro-batch (b = micro rows / fsdp rows, X = b (P + R) tokens):
 with remat, each layer's input (L x X x D) and one layer's forward and backward working set;
 without, every layer's saved residuals (`layer_saved`). Attention residuals: float32
 scores and probabilities [T, S] per head where the dense attention runs, the output and
@@ -72,6 +74,22 @@ def local_size(name: str, shape, logical, fsdp: int, tp: int, mode: str = "train
 def params_per_device(shapes: dict[str, jax.ShapeDtypeStruct], fsdp: int, tp: int) -> int:
     """Elements of the params one device holds in the train layout."""
     return sum(local_size(p, x.shape, shd.PARAM_AXES[p], fsdp, tp) for p, x in shapes.items())
+
+
+def gathered_bytes(shapes: dict[str, jax.ShapeDtypeStruct], fsdp: int, tp: int, pb: int) -> int:
+    """Bytes of the weights a program on the train layout holds whole over fsdp at a time (0
+    when fsdp = 1): one layer's, gathered for its matmuls (D whole, 1/tp of the heads / mlp),
+    and the vocabulary head's [D, V / tp] (lm_head, or the tied embedding), in the param
+    dtype. The train step holds their gradients before the reduce-scatter as well (as many
+    bytes again); the rollout, which samples with the train state's params, holds the
+    weights only."""
+    if fsdp == 1:
+        return 0
+    layer = sum(local_size(p, x.shape[1:], shd.PARAM_AXES[p][1:], 1, tp) for p, x in shapes.items()
+                if p.startswith("layers/"))
+    head = "lm_head" if "lm_head" in shapes else "embed"
+    vocab = local_size(head, shapes[head].shape, shd.PARAM_AXES[head], 1, tp)
+    return (layer + vocab) * pb
 
 
 def _split(name: str, size: int, parts: int, axis: str) -> int:
@@ -181,5 +199,5 @@ def dtype_bytes(name: str) -> int:
     return np.dtype(as_dtype(name)).itemsize
 
 
-__all__ = ["PlanError", "param_shapes", "params_per_device", "activation_bytes", "kv_cache_bytes",
+__all__ = ["PlanError", "param_shapes", "params_per_device", "gathered_bytes", "activation_bytes", "kv_cache_bytes",
            "rollout_temp_bytes", "batch_bytes", "dtype_bytes", "head_chunk", "local_size"]

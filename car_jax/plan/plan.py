@@ -33,6 +33,7 @@ class Plan:
     shapes: Shapes
     params_bytes: int  # the policy's weights (storage dtype)
     grads_bytes: int  # the gradient sum and one micro-batch's gradients (param dtype)
+    gathered_bytes: int  # fsdp > 1: one layer's and the head's weights gathered whole (param dtype)
     opt_state_bytes: int  # AdamW's two moments (param dtype)
     ref_bytes: int  # the frozen reference (KL on), else 0
     kv_cache_bytes: int  # the rollout's cache
@@ -51,11 +52,12 @@ class Plan:
 
     @property
     def train_bytes(self) -> int:
-        return self.held_bytes + self.batch_bytes + self.grads_bytes + self.activation_bytes
+        return (self.held_bytes + self.batch_bytes + self.grads_bytes + 2 * self.gathered_bytes
+                + self.activation_bytes)  # the gathered weights and their gradients
 
     @property
     def rollout_bytes(self) -> int:
-        return self.held_bytes + self.kv_cache_bytes + self.rollout_temp_bytes
+        return self.held_bytes + self.gathered_bytes + self.kv_cache_bytes + self.rollout_temp_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -127,12 +129,14 @@ def make_plan(cfg: TrainConfig, fsdp: int, tp: int, chip: str, prompt_tokens: in
             raise mem.PlanError(f"--mesh: {name} ({rows} rows) does not split over fsdp={fsdp}; use an fsdp that "
                                 f"divides {rows}, or change {name}")
     pm = cfg.model
-    n = mem.params_per_device(mem.param_shapes(model, pm), fsdp, tp)
+    tree = mem.param_shapes(model, pm)
+    n = mem.params_per_device(tree, fsdp, tp)
     pb, cb = mem.dtype_bytes(pm.param_dtype), mem.dtype_bytes(pm.dtype)
     remat, plain = (mem.activation_bytes(model, shapes, cb, r) for r in (True, False))
     mini, step = mem.batch_bytes(shapes)
     return Plan(model=cfg.model.path or "SmolLM2-135M-Instruct", chip=hw.name, fsdp=fsdp, tp=tp, shapes=shapes,
                 params_bytes=n * pb, grads_bytes=2 * n * pb, opt_state_bytes=2 * n * pb,
+                gathered_bytes=mem.gathered_bytes(tree, fsdp, tp, pb),
                 ref_bytes=n * pb if cfg.rl.loss.kl_coef else 0,
                 kv_cache_bytes=mem.kv_cache_bytes(model, shapes, cb),
                 rollout_temp_bytes=mem.rollout_temp_bytes(model, shapes, cb),
@@ -147,7 +151,8 @@ def max_rollout_rows(cfg: TrainConfig, plan: Plan, model: ModelConfig) -> int:
     def fits(rows: int) -> bool:
         shapes = dataclasses.replace(plan.shapes, rollout_rows=rows)
         cb = mem.dtype_bytes(cfg.model.dtype)
-        need = plan.held_bytes + mem.kv_cache_bytes(model, shapes, cb) + mem.rollout_temp_bytes(model, shapes, cb)
+        need = (plan.held_bytes + plan.gathered_bytes + mem.kv_cache_bytes(model, shapes, cb)
+                + mem.rollout_temp_bytes(model, shapes, cb))
         return need <= FIT_FRACTION * plan.hbm_bytes
 
     lo, hi = 0, plan.shapes.step_rows // plan.fsdp  # rows per device

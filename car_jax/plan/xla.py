@@ -102,8 +102,13 @@ def _cache(module: Decoder, mesh: Mesh, rows: int, capacity: int):
     return jax.eval_shape(lambda: module.policy.init_cache(module.cfg, rows, capacity, module.dtype, mesh))
 
 
-def xla_memory(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shapes: Shapes) -> dict[str, Compiled]:
-    """{"train_step", "prefill", "decode"}: the compiled programs' memory per device.
+PROGRAMS = ("train_step", "prefill", "decode")
+
+
+def xla_memory(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shapes: Shapes,
+               programs: tuple[str, ...] = PROGRAMS) -> dict[str, Compiled]:
+    """{"train_step", "prefill", "decode"} (those of `programs`): the compiled programs'
+    memory per device.
 
     train_step: one mini-batch of `shapes.micro_batches` x `shapes.micro_rows` rows, prompts
     of `shapes.prompt` and responses of `shapes.response` tokens (the trainer's padded
@@ -111,23 +116,32 @@ def xla_memory(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shapes: Sha
     `shapes.capacity` slots; the prefill writes a chunk of `shapes.prefill_chunk` tokens,
     the decode loop samples `cfg.rollout.max_response_tokens` tokens in one stage over
     the whole cache (the last turn's)."""
+    unknown = set(programs) - set(PROGRAMS)
+    if unknown:
+        raise ValueError(f"programs={programs}: unknown {sorted(unknown)}; pick from {PROGRAMS}")
     m = cfg.model
     module = Decoder(model_cfg, dtype=as_dtype(m.dtype), param_dtype=as_dtype(m.param_dtype), remat=m.remat,
                      policy=PLAIN)
-    optimizer = make_optimizer(cfg.rl.optim)
     params = abstract_params(module, mesh)
-    state = abstract_state(params, optimizer, mesh)
-    step = make_train_step(module, optimizer, cfg.rl.loss, mesh, jax.tree.map(lambda x: x.sharding, state),
-                           temperature=cfg.rollout.logprob_temperature, horizon=cfg.rollout.max_response_length)
-    batch = _batch(mesh, shapes.micro_batches, shapes.micro_rows, shapes.prompt, shapes.response)
-    out = {"train_step": Compiled.of(step.lower(state, batch).compile(OPTIONS))}
+    out = {}
+    if "train_step" in programs:
+        optimizer = make_optimizer(cfg.rl.optim)
+        state = abstract_state(params, optimizer, mesh)
+        step = make_train_step(module, optimizer, cfg.rl.loss, mesh, jax.tree.map(lambda x: x.sharding, state),
+                               temperature=cfg.rollout.logprob_temperature, horizon=cfg.rollout.max_response_length)
+        batch = _batch(mesh, shapes.micro_batches, shapes.micro_rows, shapes.prompt, shapes.response)
+        out["train_step"] = Compiled.of(step.lower(state, batch).compile(OPTIONS))
 
     rows = NamedSharding(mesh, P("fsdp"))
     b, v = shapes.rollout_rows, model_cfg.vocab_size
     cache = _cache(module, mesh, b, shapes.capacity)
-    chunk = jax.ShapeDtypeStruct((b, shapes.prefill_chunk), jnp.int32, sharding=NamedSharding(mesh, P("fsdp", None)))
-    valid = jax.ShapeDtypeStruct(chunk.shape, bool, sharding=chunk.sharding)
-    out["prefill"] = Compiled.of(decode.prefill.lower(module, params, cache, chunk, valid).compile(OPTIONS))
+    if "prefill" in programs:
+        chunk = jax.ShapeDtypeStruct((b, shapes.prefill_chunk), jnp.int32,
+                                     sharding=NamedSharding(mesh, P("fsdp", None)))
+        valid = jax.ShapeDtypeStruct(chunk.shape, bool, sharding=chunk.sharding)
+        out["prefill"] = Compiled.of(decode.prefill.lower(module, params, cache, chunk, valid).compile(OPTIONS))
+    if "decode" not in programs:
+        return out
 
     replicated = NamedSharding(mesh, P())
     a, z = STOP_AUTOMATA

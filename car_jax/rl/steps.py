@@ -219,8 +219,20 @@ def _build_step(module, optimizer, cfg, mesh, state_shardings):
     if mesh is None:
         return jax.jit(train_step, donate_argnums=0)
     batch_sh = batch_shardings(mesh)
-    return jax.jit(train_step, in_shardings=(state_shardings, batch_sh),
+    return jax.jit(traced_on(mesh, train_step), in_shardings=(state_shardings, batch_sh),
                    out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+def traced_on(mesh: Mesh, fn):
+    """`fn` traced with `mesh` in context (`jax.sharding.use_abstract_mesh`), so that the
+    forward's activation constraints (`prompt_forward.rows_constraint`: rows over fsdp, the
+    sharding table's "hidden" entry) resolve on it."""
+    @functools.wraps(fn)
+    def on_mesh(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+
+    return on_mesh
 
 
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
@@ -261,7 +273,7 @@ def _build_logprob_fn(module, temperature, chunk, mesh, params_shardings):
     if mesh is None:
         return jax.jit(fn)
     logp = NamedSharding(mesh, P(None, "fsdp", None))  # float32[M, b, R]
-    return jax.jit(fn, in_shardings=(params_shardings, batch_shardings(mesh)), out_shardings=logp)
+    return jax.jit(traced_on(mesh, fn), in_shardings=(params_shardings, batch_shardings(mesh)), out_shardings=logp)
 
 
 def make_sft_step(module: Decoder, optimizer: optax.GradientTransformation, mesh: Mesh | None = None,
@@ -284,5 +296,5 @@ def make_sft_step(module: Decoder, optimizer: optax.GradientTransformation, mesh
         return jax.jit(step, donate_argnums=0)
     if state_shardings is None:
         raise ValueError("make_sft_step on a mesh needs state_shardings (`steps.state_shardings(state)`)")
-    return jax.jit(step, in_shardings=(state_shardings, batch_shardings(mesh)),
+    return jax.jit(traced_on(mesh, step), in_shardings=(state_shardings, batch_shardings(mesh)),
                    out_shardings=(state_shardings, None), donate_argnums=0)

@@ -8,11 +8,21 @@ if "xla_force_host_platform_device_count" not in flags:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("CAR_JAX_XLA_CACHE", "off")  # the CLI's compilation cache stays out of tests
+# One persistent XLA compilation cache for the whole run, in the repo's .cache/ (not the
+# user's car_jax cache): many tests compile the same programs again (each Trainer or model
+# builds fresh jitted closures; the multi-process tests launch new processes; pytest-xdist
+# runs two workers), and JAX's cache, keyed by the HLO, the devices and the XLA flags, loads
+# them instead. The CLI runs inside tests (and their subprocesses) read the same folder.
+XLA_CACHE = os.environ.get("CAR_JAX_TEST_XLA_CACHE") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "test_xla")
+os.environ.setdefault("CAR_JAX_XLA_CACHE", XLA_CACHE)
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+if XLA_CACHE.lower() != "off":
+    jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)
 
 import pytest  # noqa: E402
 

@@ -12,10 +12,12 @@ Two phases share the chip, and the peak is the larger:
             (the widest prefill's, or the decode loop's: logits and the sampler's sort)
             + gathered weights (fsdp > 1)
   train   = params + optimizer state + reference + the step's batch (every row's arrays)
-            + gradients + gathered weights and their gradients (fsdp > 1) + activations (the train step's temporaries)
+            + gradients + gathered weights and their gradients (fsdp > 1)
+            + activations (the train step's temporaries)
 Gradients: the running sum over micro-batches and one micro-batch's, both in the param
 dtype. With fsdp > 1 both phases gather one layer's and the vocabulary head's weights
-whole, and the train step holds their gradients before the reduce-scatter (`gathered_bytes`). Activations of one micro-batch (b = micro rows / fsdp rows, X = b (P + R) tokens):
+whole, and the train step holds their gradients before the reduce-scatter (`gathered_bytes`).
+Activations of one micro-batch (b = micro rows / fsdp rows, X = b (P + R) tokens):
 with remat, each layer's input (L x X x D) and one layer's forward and backward working set;
 without, every layer's saved residuals (`layer_saved`). Attention residuals: float32
 scores and probabilities [T, S] per head where the dense attention runs, the output and

@@ -15,7 +15,8 @@ def format_table(plan: Plan, max_rows: int | None = None) -> str:
     sh = plan.shapes
     rows = [
         ("params", plan.params_bytes), ("gradients", plan.grads_bytes), ("optimizer state", plan.opt_state_bytes),
-        ("reference params", plan.ref_bytes), ("weights gathered over fsdp (train: x2, gradients)", plan.gathered_bytes),
+        ("reference params", plan.ref_bytes),
+        ("weights gathered over fsdp (train: x2, gradients)", plan.gathered_bytes),
         (f"KV cache ({sh.rollout_rows} rows x {sh.capacity} slots)", plan.kv_cache_bytes),
         ("rollout temporaries", plan.rollout_temp_bytes),
         (f"activations ({sh.micro_rows // sh.fsdp} rows x {sh.prompt}+{sh.response} tokens, as configured)",

@@ -34,3 +34,14 @@ def smollm2_hf(tmp_path_factory):
     from car_jax.checkpoints.convert import gguf_to_hf
 
     return gguf_to_hf(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "hf")
+
+
+# The slowest files first: pytest-xdist hands out whole files in collection order, so a long
+# file collected last would leave the other worker idle at the end.
+SLOW_FIRST = ("test_multihost.py", "test_resume.py", "test_generate.py", "test_notebooks.py", "test_experiment.py",
+              "test_eval.py", "test_batches.py", "test_multihost_eval.py", "test_policy.py", "test_flash_attention.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept otherwise

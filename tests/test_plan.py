@@ -2,6 +2,7 @@
 against XLA's `memory_analysis()` of the real compiled programs (fake CPU mesh), the CLI's
 JSON, and its errors."""
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +13,11 @@ from car_jax.cli import main
 from car_jax.config import load_config
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
-from car_jax.plan import make_plan, model_config
+from car_jax.plan import fit_document, make_plan, model_config, plan_config, shipped_models
+from car_jax.plan.fit import chip_from_name
 from car_jax.plan.memory import PlanError
 from car_jax.plan.xla import abstract_params, fake_mesh, xla_memory
+from car_jax.train import flops
 from car_jax.train.config import TrainConfig
 
 TINY = ModelConfig("qwen2", 2048, 128, 2, 4, 2, 32, 384, qkv_bias=True)
@@ -122,3 +125,56 @@ def test_unknown_chip_and_bad_mesh_raise():
         make_plan(tiny_cfg(), 1, 1, "v7x", model=TINY)
     with pytest.raises(PlanError, match="kv_heads=2"):
         make_plan(tiny_cfg(), 1, 4, "v5e", model=TINY)
+
+
+FIT = sorted((Path(__file__).resolve().parents[1] / "configs" / "fit").glob("*.yaml"))
+
+
+def hand_param_count(c) -> tuple[int, int]:
+    """(all parameters, those without a D axis) of a Qwen2 / Qwen3 decoder from its config:
+    embedding (and lm_head when untied), per layer q / k / v / o, the qkv biases (Qwen2) or
+    q / k norms (Qwen3), the gated MLP and two norms; the final norm. The second count (norms,
+    biases) is not split over fsdp: every device holds it whole."""
+    qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    small = 2 * c.d_model + (qkv if c.qkv_bias else 0) + (2 * c.head_dim if c.qk_norm else 0)
+    layer = c.d_model * qkv + c.n_heads * c.head_dim * c.d_model + 3 * c.d_model * c.mlp_dim + small
+    whole = c.n_layers * small + c.d_model
+    return c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2) + c.n_layers * layer + c.d_model, whole
+
+
+def test_there_is_a_fit_config_for_every_shipped_model_and_chip_kind():
+    models = {model_config(load_config(TrainConfig, p).model.path) for p in FIT}
+    assert models == {model_config(hub) for hub in shipped_models()}
+    assert {chip_from_name(p) for p in FIT} == {"v5e", "v5p", "v6e", "h100", "h200"}
+
+
+@pytest.mark.parametrize("path", FIT, ids=lambda p: p.stem)
+def test_fit_config_fits_its_chips(path):
+    """Each configs/fit/ file loads, splits its batches over its mesh, and fits the chip its
+    name names by the planner; its params per device are the hand count over the mesh."""
+    cfg = load_config(TrainConfig, path)
+    rl, f = cfg.rl, cfg.mesh.fsdp
+    assert cfg.mesh.tp == 1 and f > 1  # every shipped fit config is pure fsdp: its params split f ways
+    assert rl.prompts_per_step * cfg.rollout.group_size % rl.mini_batch == 0 and rl.mini_batch % rl.micro_batch == 0
+    assert rl.micro_batch % f == 0 and cfg.rollout.max_concurrent % f == 0
+    plan = plan_config(path)
+    assert plan.fits and plan.total_bytes <= 0.9 * flops.chip_named(chip_from_name(path)).hbm_bytes
+    total, whole = hand_param_count(model_config(cfg.model.path))
+    assert plan.params_bytes * f == 4 * (total + (f - 1) * whole)  # float32; norms and biases on every device
+
+
+def test_docs_plan_is_the_generated_table():
+    """docs/PLAN.md is what `car-jax plan --table configs/fit` prints now (regenerate it
+    after changing a fit config or the planner)."""
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "docs" / "PLAN.md").read_text() == fit_document(root / "configs" / "fit")
+
+
+def test_table_errors_name_the_bad_value(tmp_path, capsys):
+    with pytest.raises(PlanError, match="got 'tpu9'"):
+        chip_from_name("configs/fit/qwen2.5-3b_tpu9-8.yaml")
+    with pytest.raises(PlanError, match="ends with _<chip>-<n>"):
+        chip_from_name("qwen.yaml")
+    assert main(["plan", "--table", str(tmp_path)]) == 2 and "no .yaml configs there" in capsys.readouterr().err
+    (tmp_path / "tiny_v5e-1.yaml").write_text("mesh:\n  fsdp: -1\n")
+    assert main(["plan", "--table", str(tmp_path)]) == 2 and "names its mesh sizes" in capsys.readouterr().err

@@ -3,7 +3,9 @@ per-device memory of a training config against a chip's HBM, and its FLOPs per s
 weights (`car_jax.plan`). The mesh defaults to the config's own (-1 needs --mesh or
 mesh.devices); --xla also compiles the real train step and rollout programs from abstract
 inputs and prints XLA's `memory_analysis()` beside the plan (a fake CPU mesh needs
-XLA_FLAGS=--xla_force_host_platform_device_count=N)."""
+XLA_FLAGS=--xla_force_host_platform_device_count=N). `car-jax plan --table configs/fit`
+prints the markdown table of a folder of configs sized to fit their chips (`plan.fit`;
+docs/PLAN.md)."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,9 @@ def register(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=None, help="the longest prompt, in tokens (default 512)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--xla", action="store_true", help="also compile the programs and print XLA's memory_analysis")
+    p.add_argument("--table", default=None, metavar="DIR",
+                   help="print the markdown table of every <model>_<chip>-<n>.yaml in DIR, each on its own mesh and "
+                        "chip (docs/PLAN.md: --table configs/fit)")
     p.set_defaults(func=plan_command)
 
 
@@ -28,6 +33,13 @@ def plan_command(args) -> int:
     from car_jax.plan.plan import PROMPT_TOKENS
     from car_jax.train.config import TrainConfig
 
+    if args.table:
+        from car_jax.plan.fit import fit_document
+        try:
+            print(fit_document(args.table, args.prompt_tokens or PROMPT_TOKENS), end="")
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(str(err)) from None
+        return 0
     cfg = load_config_args(TrainConfig, args)
     try:
         fsdp, tp = parse_mesh(args.mesh) if args.mesh else config_mesh(cfg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from car_jax.assets import smollm2_gguf
 from car_jax.checkpoints.sources import config_from_file, read_config
 from car_jax.models.config import ModelConfig
 
@@ -30,7 +31,6 @@ def model_config(path: str) -> ModelConfig:
     """The ModelConfig for a policy path (module docstring). Raises FileNotFoundError naming
     the path and the shipped models when neither a checkpoint nor a shipped copy is found."""
     if not path:
-        from car_jax.assets import smollm2_gguf
         return read_config(smollm2_gguf())
     if Path(path).exists():
         return read_config(path)

@@ -9,8 +9,9 @@ The mix: a random tiny model samples (temperature 1) every segment to its budget
 pattern fires); a segment's text decides, by a fixed hash, whether it answers (about 2 in 3)
 or searches, so most episodes answer at once and a geometric tail takes up to four tool
 turns; the search tool sleeps --latency seconds per batched call (a retriever's round trip).
-Utilisation = sampled tokens / (slots x decode steps). Each configuration runs once to
-compile, then once timed."""
+Utilisation = sampled tokens / slot-steps (decode rows x steps, summed over decode calls;
+the engine's tail narrows its decode rows); "at full width" divides by the first decode
+rows x every step instead. Each configuration runs once to compile, then once timed."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--latency", type=float, default=0.1, help="seconds per batched tool call")
     ap.add_argument("--response", type=int, default=32, help="tokens per segment")
+    ap.add_argument("--only-engine", action="store_true", help="skip the all-at-once runs")
     args = ap.parse_args()
 
     import numpy as np
@@ -83,10 +85,10 @@ def main() -> None:
                              top_p=1.0, max_concurrent=max_concurrent)
 
     rows = []
-    for label, run, max_concurrent in (
-            ("lockstep runner (before): every episode at once, turn by turn", run_lockstep, 0),
+    runs = [("lockstep runner (before): every episode at once, turn by turn", run_lockstep, 0),
             ("engine, max_concurrent=0 (every episode at once)", run_episodes, 0),
-            (f"engine, max_concurrent={args.slots}", run_episodes, args.slots)):
+            (f"engine, max_concurrent={args.slots}", run_episodes, args.slots)]
+    for label, run, max_concurrent in runs[2:] if args.only_engine else runs:
         kwargs = dict(config=episode_config(max_concurrent), protocol=LongTail(), seed=1)
         run(model, tok, prompts, {"search": search}, **kwargs)  # compile
         stats = EpisodeStats()
@@ -94,18 +96,26 @@ def main() -> None:
         trajs = run(model, tok, prompts, {"search": search}, stats=stats, **kwargs)
         seconds = time.perf_counter() - start
         turns = np.bincount([t.n_turns for t in trajs], minlength=6)[1:]
-        rows.append((label, stats.slots, stats.utilisation(), stats.decode_steps, stats.sampled_tokens, seconds,
-                     stats.seconds_device, stats.seconds_tools, turns))
+        rows.append((label, stats, seconds, turns))
 
     print(header(f"Long-tail rollout, {args.episodes} episodes, random tiny Llama (vocab 49152, width 64, 2 layers), "
                  f"{args.response} tokens a segment, tool latency {args.latency:g} s",
                  f"python benchmarks/rollout_engine.py --episodes {args.episodes} --slots {args.slots} "
                  f"--latency {args.latency:g} --response {args.response}"))
-    print(f"episodes by segments (1..5): {rows[0][8].tolist()} (lockstep), {rows[-1][8].tolist()} (engine)\n")
-    print("| runner | slots | slot utilisation | decode steps | sampled tokens | wall (s) | device (s) | tools (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for label, slots, util, steps, sampled, seconds, device, tools, _ in rows:
-        print(f"| {label} | {slots} | {util:.1%} | {steps} | {sampled} | {seconds:.2f} | {device:.2f} | {tools:.2f} |")
+    print(f"episodes by segments (1..5): {rows[0][3].tolist()} (first), {rows[-1][3].tolist()} (last)\n")
+    print("| runner | KV rows (decode + park) | slot utilisation | slot-steps | at full width | decode steps "
+          "| sampled tokens | wall (s) | device (s) | tools (s) | parkings | narrowings |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, st, seconds, _ in rows:
+        full = st.sampled_tokens / (st.decode_slots * st.decode_steps)
+        print(f"| {label} | {st.slots} ({st.decode_slots} + {st.park_slots}) | {st.utilisation():.1%} | {st.slot_steps} "
+              f"| {full:.1%} | {st.decode_steps} | {st.sampled_tokens} | {seconds:.2f} | {st.seconds_device:.2f} "
+              f"| {st.seconds_tools:.2f} | {st.parkings} | {st.narrowings} |")
+    print("\nIdle slot-steps by cause (engine runs): free while episodes wait | free in the tail | episode waiting "
+          "for its tool | stopped within a call")
+    for label, st, _, _ in rows:
+        if st.capacity:
+            print(f"- {label}: {st.idle_refill} | {st.idle_tail} | {st.idle_tool} | {st.idle_stopped}")
 
 
 if __name__ == "__main__":

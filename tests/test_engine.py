@@ -15,7 +15,7 @@ from car_jax.rollout import engine
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
 from car_jax.rollout.lockstep import run_lockstep
 from car_jax.rollout.protocols import ANSWER, Action
-from car_jax.rollout.slots import episode_keys
+from car_jax.rollout.slots import compact, episode_keys, move_rows
 from tests.hf_factory import build
 
 PROMPTS = ["Question one?", "A much longer second question, with more words in it?", "Q3", "Four",
@@ -52,6 +52,11 @@ def scripted_search(queries):
     return ["END" if _h(q) % 3 == 0 else f"doc {len(q)}" for q in queries]
 
 
+def slow_search(queries):
+    threading.Event().wait(0.05)
+    return scripted_search(queries)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_llama")
@@ -59,15 +64,15 @@ def setup(tmp_path_factory):
     return car_jax.load_model(folder), car_jax.load_tokenizer(smollm2_gguf())
 
 
-def _cfg(temperature, max_concurrent=0):
+def _cfg(temperature, max_concurrent=0, park_slots=-1):
     return EpisodeConfig(max_turns=3, max_response_tokens=5, max_obs_tokens=9, temperature=temperature, top_p=1.0,
-                         max_concurrent=max_concurrent)
+                         max_concurrent=max_concurrent, park_slots=park_slots)
 
 
-def _run(setup, temperature, max_concurrent, prompts=PROMPTS, stats=None, tools=None):
+def _run(setup, temperature, max_concurrent, prompts=PROMPTS, stats=None, tools=None, park_slots=-1):
     model, tok = setup
     return run_episodes(model, tok, prompts, tools or {"search": scripted_search},
-                        config=_cfg(temperature, max_concurrent), protocol=Scripted(), seed=7, stats=stats)
+                        config=_cfg(temperature, max_concurrent, park_slots), protocol=Scripted(), seed=7, stats=stats)
 
 
 def _same(a, b):
@@ -102,10 +107,20 @@ def test_slots_give_the_episodes_of_all_at_once(setup, temperature):
     turns = [t.n_turns for t in every]
     assert len(set(turns)) >= 2 and min(turns) == 1, turns  # episodes end at different turns
     assert any(t.answered for t in every) and any(t.n_tool_calls for t in every)
-    for max_concurrent in (2, len(PROMPTS), len(PROMPTS) + 4):  # fewer slots, as many, more
+    moved = EpisodeStats()  # parkings and narrowings over the runs below
+    # fewer slots (one of two parking episodes that wait for a tool), as many, more
+    for max_concurrent, park in ((2, -1), (2, 1), (len(PROMPTS), -1), (len(PROMPTS) + 4, -1)):
         stats = EpisodeStats()
-        _same(_run(setup, temperature, max_concurrent, stats=stats), every)
+        # a tool slow next to the host's loop (50 ms) is still out when the next round
+        # schedules, so its episode is parked while the fresh ones want its row
+        tools = {"search": slow_search} if park > 0 else None
+        _same(_run(setup, temperature, max_concurrent, stats=stats, park_slots=park, tools=tools), every)
         assert stats.slots == min(max_concurrent, len(PROMPTS))
+        quarter = max_concurrent // 4 if park < 0 else park  # parking only while episodes wait for a row
+        assert stats.park_slots == (quarter if max_concurrent < len(PROMPTS) else 0)
+        moved.parkings += stats.parkings
+        moved.narrowings += stats.narrowings
+    assert moved.parkings and moved.narrowings  # episodes were parked and the tail narrowed the rows
     if temperature == 0:  # greedy: the lockstep runner (the loop before the engine) agrees
         _same(run_lockstep(model, tok, PROMPTS, {"search": scripted_search}, config=_cfg(0.0), protocol=Scripted(),
                            seed=7), every)
@@ -126,28 +141,99 @@ def test_slots_give_the_episodes_of_all_at_once(setup, temperature):
 
 
 def test_kv_cache_is_sized_by_the_slots(setup, monkeypatch):
+    """The caches a rollout allocates (decode rows + park rows at the start, then the
+    tail's narrower decode caches) are set by max_concurrent, not by the episode count."""
     model, tok = setup
-    seen = []  # (rows, slots, bytes) of every cache a decode call got
-    decode = engine.decode_slots
+    made = []  # (rows, slots, bytes) of every cache the engine allocated, in order
+    init = type(model).init_cache
 
-    def spy(*args, **kwargs):
-        cache = args[4]
-        seen.append((cache.batch_size, cache.capacity, sum(x.nbytes for x in jax.tree.leaves(cache))))
-        return decode(*args, **kwargs)
+    def spy(self, rows, capacity):
+        cache = init(self, rows, capacity)
+        made.append((cache.batch_size, cache.capacity, sum(x.nbytes for x in jax.tree.leaves(cache))))
+        return cache
 
-    monkeypatch.setattr(engine, "decode_slots", spy)
+    monkeypatch.setattr(type(model), "init_cache", spy)
     sizes = {}
-    for n, max_concurrent in ((6, 2), (12, 2), (6, 0)):
-        seen.clear()
+    for n, max_concurrent in ((6, 4), (12, 4), (6, 0)):
+        made.clear()
         stats = EpisodeStats()
-        trajs = _run(setup, 1.0, max_concurrent, prompts=(PROMPTS * 2)[:n], stats=stats)
-        assert len(trajs) == n and {s[:2] for s in seen} == {(stats.slots, stats.capacity)}
-        sizes[n, max_concurrent] = seen[0][2]
-    # bytes of keys + values + valid + positions: rows x (L x 2 x K x H x S x 4 + S) + ...
+        trajs = _run(setup, 1.0, max_concurrent, prompts=(PROMPTS * 2)[:n], stats=stats, park_slots=1)
+        park = 1 if max_concurrent else 0
+        start = [(stats.slots - park, stats.capacity)] + ([(park, stats.capacity)] if park else [])
+        assert len(trajs) == n and [m[:2] for m in made[:len(start)]] == start
+        later = [m[0] for m in made[len(start):]]  # each narrowing halves the decode rows
+        assert later == [(stats.slots - park) >> (i + 1) for i in range(len(later))] and len(later) == stats.narrowings
+        sizes[n, max_concurrent] = sum(m[2] for m in made[:len(start)])
+    # bytes of keys + values + valid + positions: rows x (L x 2 x K x H x S x 4 + S + 4) + index
     cfg = model.config
     per_row = lambda s: cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * s * 4 + s + 4  # noqa: E731
-    assert sizes[6, 2] == sizes[12, 2] == 2 * per_row(stats.capacity) + 4  # twice the episodes, the same cache
+    assert sizes[6, 4] == sizes[12, 4] == 4 * per_row(stats.capacity) + 2 * 4  # twice the episodes, the same cache
     assert sizes[6, 0] == 6 * per_row(stats.capacity) + 4
+
+
+def _numpy_packed(k, v, valid):
+    """An independent reference of `compact`: each row's valid slots moved to its front."""
+    k2, v2, valid2 = np.zeros_like(k), np.zeros_like(v), np.zeros_like(valid)
+    for b in range(valid.shape[0]):
+        keep = np.flatnonzero(valid[b])
+        k2[:, b, ..., :len(keep)] = k[:, b][..., keep]
+        v2[:, b, :, :len(keep)] = v[:, b][:, :, keep]
+        valid2[b, :len(keep)] = True
+    return k2, v2, valid2
+
+
+def test_compact_and_move_rows_sharded_as_unsharded(setup, tmp_path):
+    """compact and move_rows on a cache split over an 8-device mesh (rows over fsdp=4, kv
+    heads over tp=2) give the unsharded results, and both match a numpy re-derivation."""
+    model, _ = setup
+    folder = tmp_path / "m"
+    build("llama", folder, vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    sharded = car_jax.load_model(folder, mesh=car_jax.make_mesh(fsdp=4, tp=2), mode="sample")
+    rng = np.random.default_rng(0)
+    b, s = 8, 24
+    plain = model.init_cache(b, s)
+    valid = rng.random((b, s)) < 0.5
+    valid[:, 20:] = False  # index 20: the slots after it are empty
+    k = [rng.standard_normal(x.shape).astype(np.float32) * valid[None, :, None, None, :]
+         for x in jax.tree.leaves(plain.k)]
+    v = [rng.standard_normal(x.shape).astype(np.float32) * valid[None, :, None, :, None]
+         for x in jax.tree.leaves(plain.v)]
+    pos = rng.integers(0, 50, b).astype(np.int32)
+
+    def filled(like):  # the random cache in `like`'s layout and shardings
+        put = lambda x, a: jax.device_put(a.reshape(x.shape), x.sharding)  # noqa: E731
+        return like.replace(k=jax.tree.unflatten(jax.tree.structure(like.k), [put(x, a) for x, a in zip(
+            jax.tree.leaves(like.k), k)]), v=jax.tree.unflatten(jax.tree.structure(like.v), [put(x, a) for x, a in zip(
+                jax.tree.leaves(like.v), v)]), valid=put(like.valid, valid), next_pos=put(like.next_pos, pos),
+            index=jax.numpy.int32(20))
+
+    leaves = lambda c: [np.asarray(x) for x in (*jax.tree.leaves(c.k), *jax.tree.leaves(c.v), c.valid, c.next_pos)]  # noqa: E731
+    one, split = compact(filled(plain)), compact(filled(sharded.init_cache(b, s)))
+    assert int(one.index) == int(split.index) == valid.sum(axis=1).max()
+    for x, y in zip(leaves(one), leaves(split), strict=True):
+        np.testing.assert_array_equal(x, y)
+    k2, v2, valid2 = _numpy_packed(np.stack(k).reshape(-1, *k[0].shape[-4:]) if len(k) > 1 else k[0],
+                                   np.stack(v).reshape(-1, *v[0].shape[-4:]) if len(v) > 1 else v[0], valid)
+    got = leaves(one)
+    np.testing.assert_array_equal(np.stack(got[:len(k)]).reshape(k2.shape), k2)
+    np.testing.assert_array_equal(np.stack(got[len(k):len(k) + len(v)]).reshape(v2.shape), v2)
+    np.testing.assert_array_equal(got[-2], valid2)
+
+    # rows 5 and 2 moved into rows 0 and 3 of an empty cache (row 1's move is none)
+    src, dst = np.array([5, 7, 2, 0], np.int32), np.array([0, -1, 3, -1], np.int32)
+    moved = []
+    for m, like in ((model, plain), (sharded, sharded.init_cache(b, s))):
+        empty = m.init_cache(b, s)
+        out, _ = move_rows(filled(like), None, empty, None, jax.numpy.asarray(src), jax.numpy.asarray(dst))
+        moved.append(leaves(out))
+        assert int(out.index) == max(valid[5].sum(), valid[2].sum())
+    for x, y in zip(*moved, strict=True):
+        np.testing.assert_array_equal(x, y)
+    want_valid = np.zeros_like(valid)
+    want_valid[[0, 3]] = valid2[[5, 2]]
+    np.testing.assert_array_equal(moved[0][-2], want_valid)
+    np.testing.assert_array_equal(moved[0][-1][[0, 3]], pos[[5, 2]])
+    np.testing.assert_array_equal(np.stack(moved[0][:len(k)]).reshape(k2.shape)[:, [0, 3]], k2[:, [5, 2]])
 
 
 def test_tools_run_while_other_slots_decode(setup, monkeypatch):
@@ -183,5 +269,7 @@ def test_tools_run_while_other_slots_decode(setup, monkeypatch):
 def test_bad_max_concurrent_is_a_clear_error():
     with pytest.raises(ValueError, match=r"max_concurrent=-1 must be >= 0 \(0: every episode at once\)"):
         EpisodeConfig(max_concurrent=-1)
+    with pytest.raises(ValueError, match=r"park_slots=-2 must be >= 0, or -1"):
+        EpisodeConfig(park_slots=-2)
     with pytest.raises(ValueError, match="tool_workers=0 must be >= 1"):
         EpisodeConfig(tool_workers=0)

@@ -6,10 +6,17 @@
                  waiting episode; tool call -> a tool job in a thread pool, which runs
                  while the device keeps decoding the other slots
 
-At most `max_concurrent` episodes are in flight, so the KV cache is slots x capacity
-(one episode's worth of slots plus one prefill or decode call of slack), whatever the
-step's episode count. A round of the loop: collect finished tool jobs (their rows get
-observation chunks), refill free slots from the waiting episodes, prefill, then one
+At most `max_concurrent` episodes are in flight, so the KV caches hold max_concurrent rows
+of capacity slots (one episode's worth plus one prefill or decode call of slack),
+whatever the step's episode count. While episodes wait for a row, `park_slots` of those
+rows are a *park* (`schedule.py`): an episode waiting for its tool moves its cache row
+there and its decode row takes another episode, so a tool wait does not idle a decode
+row. In the tail (no episode waits, every process's episodes fit in half the decode
+rows) the decode rows are halved, down to an eighth, so the last episodes do not decode
+beside empty rows (the narrower cache is allocated before the wider one is freed:
+at most 1.5 x the rows for a moment). A round of the loop: collect finished tool jobs
+(their rows get observation chunks), park / unpark episodes and refill free rows from
+the waiting episodes, prefill, then one
 decode call that returns when every live slot has stopped or, while episodes wait for a
 slot or a tool job is out, once `REFILL` of the slots are idle. Every call into the
 device is made by every process in the same order; what the host knows only locally
@@ -34,7 +41,8 @@ import numpy as np
 from car_jax import hosts
 from car_jax.rollout.generate import decode_windows, eos_ids, left_pad, prompt_texts, round_up
 from car_jax.rollout.protocols import ANSWER, VOID, Action
-from car_jax.rollout.slots import compact, decode_slots, prefill_prompts_shared, prefill_rows
+from car_jax.rollout.schedule import Rows, pad_moves, split_rows
+from car_jax.rollout.slots import compact, decode_slots, move_rows, prefill_prompts_shared, prefill_rows
 from car_jax.rollout.stops import stop_tables
 from car_jax.rollout.tool_calls import Tool, run_tools
 from car_jax.rollout.trajectory import EpisodeStats, Trajectory, observation_ids
@@ -59,25 +67,6 @@ def capacity(prompt_width: int, config) -> int:
     return episode + max(prompt_width, chunk, config.max_response_tokens)
 
 
-class _Slots:
-    """Host bookkeeping of this process's b slots (numpy): the episode each holds (-1:
-    free), whether it is decoding, its segment's tokens so far, automata and draws."""
-
-    def __init__(self, b: int, n_automata: int):
-        self.episode = np.full(b, -1, np.int64)
-        self.live = np.zeros(b, bool)
-        self.count = np.zeros(b, np.int32)
-        self.drawn = np.zeros(b, np.int32)
-        self.dfa = np.zeros((b, n_automata), np.int32)
-        self.enabled = np.zeros((b, n_automata), bool)
-        self.tokens: list[list[int]] = [[] for _ in range(b)]
-        self.logps: list[list[float]] = [[] for _ in range(b)]
-
-    def start_segment(self, r: int, enabled: np.ndarray) -> None:
-        self.live[r], self.count[r], self.dfa[r], self.enabled[r] = True, 0, 0, enabled
-        self.tokens[r], self.logps[r] = [], []
-
-
 class Engine:
     """One rollout's episodes (this process's) through the slots; `run()` returns their
     trajectories in order. See the module doc."""
@@ -91,9 +80,12 @@ class Engine:
         self.trajs = [Trajectory(p) for p in ids]
         n = len(ids)
         self.offset = hosts.local_rows(n * hosts.count(), self.mesh).start  # this process's first episode
-        self.n_slots = slot_count(config.max_concurrent, n * hosts.count(), self.mesh)
-        mine = hosts.local_rows(self.n_slots, self.mesh)
-        self.b = mine.stop - mine.start
+        kv_rows = slot_count(config.max_concurrent, n * hosts.count(), self.mesh)
+        self.split = 1 if self.mesh is None else self.mesh.shape["fsdp"]
+        self.n_slots, n_park = split_rows(kv_rows, config.park_slots, n * hosts.count(), self.split)
+        self.b = self._local_count(self.n_slots)
+        self.p = self._local_count(n_park)
+        self.min_b = max(1, self.b // 8)  # the tail narrows the decode rows down to an eighth
         self.pad = tokenizer.pad_token_id or 0
         self.prompt_width = round_up(hosts.global_max(max(len(p) for p in ids)))
         self.capacity = capacity(self.prompt_width, config)
@@ -101,15 +93,22 @@ class Engine:
         stops, final = list(protocol.stops), list(protocol.final_stops)
         self.tables = jnp.asarray(stop_tables(tokenizer, stops + final))
         self.turn_stops = np.array([True] * len(stops) + [False] * len(final))
-        self.slots = _Slots(self.b, len(self.turn_stops))
+        self.slots = Rows(self.b, self.p, len(self.turn_stops))
+        self.ready: dict[int, list[int]] = {}  # parked episode -> its chunk (observation back)
+        self.narrow = False  # agreed last round: the next one narrows the decode rows by half
         self.key = jax.random.key(seed)
         self.waiting = collections.deque(range(n))
-        self.jobs: dict[cf.Future, dict[int, tuple[int, Action, list[int]]]] = {}
+        self.jobs: dict[cf.Future, dict[int, tuple[Action, list[int]]]] = {}
         self.chunks: dict[int, list[int]] = {}  # slot -> pending token + observation to prefill
-        stats.slots = self.n_slots
+        stats.slots = kv_rows
+        stats.decode_slots, stats.park_slots = self.n_slots, n_park
         stats.capacity = self.capacity
 
     # -- helpers ----------------------------------------------------------------------
+    def _local_count(self, rows: int) -> int:
+        mine = hosts.local_rows(rows, self.mesh)
+        return mine.stop - mine.start
+
     def _global(self, x) -> jax.Array:
         return hosts.to_global(np.asarray(x), self.mesh)
 
@@ -179,12 +178,19 @@ class Engine:
             windows=decode_windows(int(cache.index), r_max, cache.capacity, stages=1))
         out = out._replace(**{f: self._local(getattr(out, f)) for f in out._fields if f != "steps"})
         steps = int(out.steps)
+        free = int((s.episode < 0).sum())
+        st = self.stats
+        st.idle_refill += free * steps if self.waiting else 0
+        st.idle_tail += 0 if self.waiting else free * steps
+        st.idle_tool += int(((s.episode >= 0) & ~s.live).sum()) * steps
+        st.idle_stopped += int((steps - out.length[s.live]).sum())
         self.stats.decode_steps += steps
+        self.stats.slot_steps += self.n_slots * steps
         self.stats.waiting_steps += len(self.waiting) * steps
         return out, cache, logits
 
     # -- host -------------------------------------------------------------------------
-    def _take_output(self, out) -> dict[int, tuple[int, Action, list[int]]]:
+    def _take_output(self, out) -> dict[int, tuple[Action, list[int]]]:
         """Each live slot's new tokens; ended segments are parsed: the episode ends, or its
         action is returned ({episode: (slot, action, pending tokens)})."""
         s, r_max = self.slots, self.cfg.max_response_tokens
@@ -214,30 +220,32 @@ class Engine:
                 traj.answered = action.kind == ANSWER
                 s.episode[r] = -1
                 continue
-            actions[e] = (int(r), action, [s.tokens[r][-1]] if out.stopped[r] else [])
+            actions[e] = (action, [s.tokens[r][-1]] if out.stopped[r] else [])
         return actions
 
     def _tool_job(self, actions: dict[int, tuple[int, Action, list[int]]]):
         """Runs in the pool: the tools of one decode call's ended segments (one batched call
         per tool kind, `run_tools`). Returns (results {episode: text}, seconds)."""
         t0 = time.perf_counter()
-        results = run_tools({e: a for e, (_, a, _) in actions.items()}, self.tools, self.cfg.tool_timeout_s,
+        results = run_tools({e: a for e, (a, _) in actions.items()}, self.tools, self.cfg.tool_timeout_s,
                             self.trajs)
         return results, time.perf_counter() - t0
 
     def _submit(self, pool: cf.ThreadPoolExecutor, actions) -> None:
         if not actions:
             return
-        if any(a.kind in self.tools for _, a, _ in actions.values()):
+        if any(a.kind in self.tools for a, _ in actions.values()):
             self.jobs[pool.submit(self._tool_job, actions)] = actions
         else:  # no tool to call (invalid / void actions): the observation is known now
             self._observe(actions, *self._tool_job(actions))
 
     def _observe(self, actions, results: dict[int, str], seconds: float) -> None:
         """A finished tool job's observations: appended to their trajectories, and queued
-        as chunks (pending token + observation) for their slots' next prefill."""
+        as chunks (pending token + observation) for their rows' next prefill (a parked
+        episode's once it has a decode row again)."""
         self.stats.seconds_tools += seconds
-        for e, (r, action, pending) in actions.items():
+        s = self.slots
+        for e, (action, pending) in actions.items():
             traj = self.trajs[e]
             parts = self.protocol.wrap(action, results.get(e, ""))
             obs = observation_ids(self.tok, parts, self.cfg.max_obs_tokens)
@@ -248,11 +256,19 @@ class Engine:
             if self.protocol.ends_episode(self.tok.decode(obs, skip_special_tokens=True)):
                 traj.answered = True
                 chunk = []
+            rows = np.flatnonzero(s.episode == e)
+            if not len(rows):  # parked
+                if chunk:
+                    self.ready[e] = chunk
+                else:
+                    s.parked[s.parked == e] = -1
+                continue
+            r = int(rows[0])
             if not chunk:  # answered, or a void turn cut by the budget: nothing to condition on
-                self.slots.episode[r] = -1
+                s.episode[r] = -1
                 continue
             self.chunks[r] = chunk
-            self.slots.start_segment(r, self._stops_for(e))
+            s.start_segment(r, self._stops_for(e))
 
     def _collect(self, block: bool) -> None:
         """Observations of the tool jobs that have finished (block: wait for one first)."""
@@ -263,9 +279,20 @@ class Engine:
         for future in [f for f in self.jobs if f.done()]:
             self._observe(self.jobs.pop(future), *future.result())
 
-    def _refill(self) -> list[int]:
-        """Free slots take the next waiting episodes; returns those slots."""
+    def _schedule(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
+        """The round's moves on the host: decode rows whose episode waits for a tool are
+        parked while others want a decode row, parked episodes whose observation is back
+        take free decode rows (their chunk queued), and free decode rows take the next
+        waiting episodes. Returns (park moves, unpark moves, refilled rows)."""
         s = self.slots
+        want = len(self.ready) + len(self.waiting) - int((s.episode < 0).sum())
+        tool_out = [r for r in np.flatnonzero((s.episode >= 0) & ~s.live).tolist() if r not in self.chunks]
+        parked = s.park(tool_out[:max(want, 0)])
+        unparked = s.unpark(list(self.ready))
+        for _, r in unparked:
+            e = int(s.episode[r])
+            self.chunks[r] = self.ready.pop(e)
+            s.start_segment(r, self._stops_for(e))
         rows = []
         for r in np.flatnonzero(s.episode < 0):
             if not self.waiting:
@@ -274,23 +301,58 @@ class Engine:
             s.episode[r], s.drawn[r] = e, 0
             s.start_segment(int(r), self._stops_for(e))
             rows.append(int(r))
-        return rows
+        return parked, unparked, rows
+
+    def _move(self, moves, src, src_logits, dst, dst_logits, src_rows: int, dst_rows: int, n: int):
+        """Moves (local src row, local dst row) of every process in one call; src_rows /
+        dst_rows: the global row counts of the two caches (for this process's offsets)."""
+        a, b = pad_moves(moves, n, hosts.local_rows(src_rows, self.mesh).start,
+                         hosts.local_rows(dst_rows, self.mesh).start)
+        return move_rows(src, src_logits, dst, dst_logits, self._global(a), self._global(b))
+
+    def _narrowed(self, cache, logits):
+        """The decode rows halved (the tail: no episode waits and every process's episodes
+        fit in half): the held rows packed into a new cache of b / 2 rows."""
+        b = self.b // 2
+        self.slots, held = self.slots.narrowed(b)
+        self.chunks = {held.index(r): c for r, c in self.chunks.items()}
+        rows = b * hosts.count()
+        new = self.model.init_cache(rows, self.capacity)
+        new_logits = self._global(np.zeros((b, self.model.config.vocab_size), np.float32))
+        new, new_logits = self._move(list(zip(held, range(len(held)))), cache, logits, new, new_logits,
+                                     self.n_slots, rows, self.b)
+        self.b, self.n_slots = b, rows
+        self.stats.narrowings += 1
+        return new, new_logits
 
     def run(self) -> list[Trajectory]:
         stats = self.stats
-        cache = self.model.init_cache(self.b * hosts.count(), self.capacity)
+        cache = self.model.init_cache(self.n_slots, self.capacity)
+        park = self.model.init_cache(stats.park_slots, self.capacity) if self.p else None
         logits = self._global(np.zeros((self.b, self.model.config.vocab_size), np.float32))
         with cf.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="tools") as pool:
             while True:
+                if self.narrow:
+                    cache, logits = self._narrowed(cache, logits)
                 self._collect(block=False)
-                new = self._refill()
+                parked, unparked, new = self._schedule()
                 longest = max((len(c) for c in self.chunks.values()), default=0)
-                # the round's decisions, agreed: [rows to refill, longest chunk, live, waiting, jobs]
+                # the round's decisions, agreed: [rows to refill, longest chunk, live, waiting,
+                # jobs, parked, unparked, episodes in flight]
                 agreed = hosts.allgather(np.array([[len(new), longest, int(self.slots.live.sum()),
-                                                    len(self.waiting), len(self.jobs)]], np.int64))
-                n_new, _, live, waiting, jobs = agreed.sum(axis=0)
+                                                    len(self.waiting), len(self.jobs), len(parked), len(unparked),
+                                                    self.slots.in_flight()]], np.int64))
+                n_new, _, live, waiting, jobs, n_parked, n_unparked, _ = agreed.sum(axis=0)
                 longest = int(agreed[:, 1].max())
+                half = self.b // 2
+                self.narrow = bool(waiting == 0 and half >= self.min_b and agreed[:, 7].max() <= half
+                                   and (half * hosts.count()) % self.split == 0)
                 t0 = time.perf_counter()
+                if n_parked:
+                    park, _ = self._move(parked, cache, None, park, None, self.n_slots, stats.park_slots, self.p)
+                    stats.parkings += int(n_parked)
+                if n_unparked:
+                    cache, _ = self._move(unparked, park, None, cache, None, stats.park_slots, self.n_slots, self.p)
                 if n_new:
                     cache, logits = self._prefill_prompts(cache, logits, new)
                 if longest:

@@ -40,6 +40,10 @@ class EpisodeConfig:
     # takes the next waiting episode); 0: every episode of the call at once. Rounded up to a
     # multiple of the mesh's fsdp; the cache is max_concurrent x one episode's slots.
     max_concurrent: int = 0
+    # of the max_concurrent rows, those that park an episode waiting for its tool (its KV
+    # row moves there and its decode row takes another episode; used only while episodes
+    # outnumber the rows); -1: a quarter. The rest decode.
+    park_slots: int = -1
     tool_workers: int = 8  # tool calls (one batched call per tool kind and decode call) running at once
 
     def __post_init__(self):
@@ -51,6 +55,9 @@ class EpisodeConfig:
         if self.max_concurrent < 0:
             raise ValueError(f"EpisodeConfig.max_concurrent={self.max_concurrent} must be >= 0 "
                              "(0: every episode at once)")
+        if self.park_slots < -1:
+            raise ValueError(f"EpisodeConfig.park_slots={self.park_slots} must be >= 0, or -1 (a quarter of "
+                             "max_concurrent)")
         if self.tool_workers < 1:
             raise ValueError(f"EpisodeConfig.tool_workers={self.tool_workers} must be >= 1")
         if not self.tool_timeout_s > 0:

@@ -42,7 +42,7 @@ def run_lockstep(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     trajs = [Trajectory(p) for p in prompt_ids]
     b = len(trajs)
-    stats.slots = b * hosts.count()
+    stats.slots = stats.decode_slots = b * hosts.count()
     pad = tokenizer.pad_token_id or 0
     chunk_width = round_up(1 + config.max_obs_tokens)
     after_prompt = (config.max_turns + 1) * config.max_response_tokens + config.max_turns * chunk_width
@@ -65,7 +65,9 @@ def run_lockstep(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
                                     eos, final_tables if final else tables, sub, windows=windows)
         out = jax.tree.map(lambda x: hosts.fetch_local(x, model.mesh), out)  # this process's rows
         stats.seconds_device += time.perf_counter() - t0
-        stats.decode_steps += hosts.global_max(int(out.length.max()))  # the loop ran to the longest row
+        steps = hosts.global_max(int(out.length.max()))  # the loop ran to the longest row
+        stats.decode_steps += steps
+        stats.slot_steps += stats.slots * steps
 
         actions: dict[int, Action] = {}
         for i in np.flatnonzero(active):

@@ -188,3 +188,33 @@ def compact(cache: KVCache) -> KVCache:
     v = jax.tree.map(lambda a: _pack(a, order, -2), cache.v)
     valid = jnp.take_along_axis(cache.valid, order, axis=1)
     return KVCache(k=k, v=v, valid=valid, next_pos=cache.next_pos, index=jnp.max(valid.sum(axis=1)).astype(jnp.int32))
+
+
+def _set_rows(a, rows, new):
+    """a [..., B, x, y, z] (B the 4th axis from the end) with rows int32[N] set to new
+    [..., N, x, y, z]; a row index out of range (B) drops its row."""
+    return a.at[(slice(None),) * (a.ndim - 4) + (rows,)].set(new.astype(a.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnums=(2, 3))
+def move_rows(src: KVCache, src_logits, dst: KVCache, dst_logits, src_rows, dst_rows):
+    """Episodes moved between caches of the same capacity S (a decode cache, its park, a
+    narrower decode cache): row src_rows[i] of src becomes row dst_rows[i] of dst, its
+    valid slots packed to the front (order and positions kept, as `compact`), and its
+    next-token logits with it (src_logits float32[B, V] into dst_logits float32[B', V];
+    both None for a park, which has none). src_rows, dst_rows int32[N]; dst_rows[i] < 0:
+    no move. dst's index becomes at least the most valid slots moved, so its next write
+    lands after them. Returns (dst, dst_logits)."""
+    b = dst.batch_size
+    to = jnp.where(dst_rows < 0, b, dst_rows)  # out of range: dropped
+    part = src.rows(jnp.maximum(src_rows, 0))
+    order = jnp.argsort(~part.valid, axis=1, stable=True).astype(jnp.int32)
+    k = jax.tree.map(lambda a, s: _set_rows(a, to, _pack(s, order, -1)), dst.k, part.k)
+    v = jax.tree.map(lambda a, s: _set_rows(a, to, _pack(s, order, -2)), dst.v, part.v)
+    valid = jnp.take_along_axis(part.valid, order, axis=1)
+    moved = jnp.max(jnp.where(dst_rows >= 0, valid.sum(axis=1), 0)).astype(jnp.int32)
+    dst = KVCache(k=k, v=v, valid=dst.valid.at[to].set(valid, mode="drop"),
+                  next_pos=dst.next_pos.at[to].set(part.next_pos, mode="drop"), index=jnp.maximum(dst.index, moved))
+    if dst_logits is not None:
+        dst_logits = dst_logits.at[to].set(src_logits[jnp.maximum(src_rows, 0)], mode="drop")
+    return dst, dst_logits

@@ -71,17 +71,31 @@ class EpisodeStats:
     seconds_tool_wait: float = 0.0  # the device loop idle, waiting for a tool result
     prefilled_tokens: int = 0  # tokens written by prefills (prompt + pending + observations)
     sampled_tokens: int = 0
-    slots: int = 0  # episode slots (rows of the KV cache), all processes together
+    slots: int = 0  # episode slots (rows of the KV caches: decode rows + park rows), all processes together
+    decode_slots: int = 0  # of them, rows that decode (at the start; the tail narrows them)
+    park_slots: int = 0  # rows that hold episodes waiting for a tool while their decode row is reused
     capacity: int = 0  # KV-cache slots per row
     decode_steps: int = 0  # decode loop steps (each samples for every live slot)
+    slot_steps: int = 0  # decode rows x steps, summed over decode calls (the rows each call computed)
+    parkings: int = 0  # episodes parked while waiting for a tool
+    narrowings: int = 0  # times the tail halved the decode rows
     waiting_steps: int = 0  # episodes waiting for a slot, summed over decode steps
     compactions: int = 0  # times the cache was packed to make room
+    # idle slot-steps of the decode calls (this process's slots), by cause: a free slot
+    # while episodes wait for one (refill lag) or while none does (the tail), a slot whose
+    # episode waits for its tool result, a slot that stopped within a call
+    idle_refill: int = 0
+    idle_tail: int = 0
+    idle_tool: int = 0
+    idle_stopped: int = 0
 
     def utilisation(self, sampled_tokens: int | None = None) -> float:
-        """Sampled tokens / (slots x decode steps): the share of slot-steps that sampled a
-        token (pass the token count of every process with several); NaN before any step."""
+        """Sampled tokens / slot-steps (decode rows x decode steps, summed over the decode
+        calls; the rows a call computed, whether they sampled or idled): the share that
+        sampled a token (pass the token count of every process with several); NaN before
+        any step."""
         tokens = self.sampled_tokens if sampled_tokens is None else sampled_tokens
-        return tokens / (self.slots * self.decode_steps) if self.decode_steps else float("nan")
+        return tokens / self.slot_steps if self.slot_steps else float("nan")
 
     def mean_waiting(self, waiting_steps: int | None = None) -> float:
         """Episodes waiting for a slot, averaged over the decode steps."""

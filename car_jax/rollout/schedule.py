@@ -1,0 +1,98 @@
+"""The host side of the engine's slots (`engine.py`): which episode each decode row and
+each park row holds, and the round's moves between them (numpy only, no device work).
+
+    decode rows (b): free | decoding a segment | holding an episode whose tool is out
+    park rows (p):   free | holding an episode whose tool is out (its KV rows moved here)
+
+An episode that goes to its tool while others want a decode row (fresh episodes waiting,
+or parked ones whose observation came back) is *parked*: its cache row moves to a park
+row and its decode row takes another episode; when its observation comes back it takes
+the next free decode row again (before fresh episodes: the started ones finish first).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class Rows:
+    """This process's b decode rows and p park rows: the episode each holds (-1: free),
+    whether a decode row is decoding, its segment's tokens so far, automata and draws."""
+
+    def __init__(self, b: int, p: int, n_automata: int):
+        self.episode = np.full(b, -1, np.int64)
+        self.live = np.zeros(b, bool)
+        self.count = np.zeros(b, np.int32)
+        self.drawn = np.zeros(b, np.int32)
+        self.dfa = np.zeros((b, n_automata), np.int32)
+        self.enabled = np.zeros((b, n_automata), bool)
+        self.tokens: list[list[int]] = [[] for _ in range(b)]
+        self.logps: list[list[float]] = [[] for _ in range(b)]
+        self.parked = np.full(p, -1, np.int64)  # episode of each park row
+        self.parked_drawn = np.zeros(p, np.int32)  # its draws so far (its RNG stream's position)
+
+    @property
+    def b(self) -> int:
+        return len(self.episode)
+
+    def start_segment(self, r: int, enabled: np.ndarray) -> None:
+        self.live[r], self.count[r], self.dfa[r], self.enabled[r] = True, 0, 0, enabled
+        self.tokens[r], self.logps[r] = [], []
+
+    def in_flight(self) -> int:
+        return int((self.episode >= 0).sum() + (self.parked >= 0).sum())
+
+    def park(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Decode rows `rows` (episodes waiting for a tool) move to free park rows, as many
+        as there are; returns the (decode row, park row) moves made."""
+        moves = list(zip(rows, np.flatnonzero(self.parked < 0).tolist()))
+        for r, q in moves:
+            self.parked[q], self.parked_drawn[q] = self.episode[r], self.drawn[r]
+            self.episode[r], self.live[r] = -1, False
+        return moves
+
+    def unpark(self, episodes: list[int]) -> list[tuple[int, int]]:
+        """Parked `episodes` take free decode rows, as many as there are; returns the
+        (park row, decode row) moves made."""
+        free = np.flatnonzero(self.episode < 0).tolist()
+        moves = []
+        for e, r in zip(episodes, free):
+            q = int(np.flatnonzero(self.parked == e)[0])
+            self.episode[r], self.drawn[r], self.live[r] = e, self.parked_drawn[q], False
+            self.parked[q] = -1
+            moves.append((q, r))
+        return moves
+
+    def narrowed(self, b: int) -> tuple["Rows", list[int]]:
+        """These rows with the held decode rows packed into b rows (the park kept);
+        returns (the new rows, the old row of each held one, in order)."""
+        held = np.flatnonzero(self.episode >= 0).tolist()
+        if len(held) > b:
+            raise ValueError(f"{len(held)} episodes hold decode rows; they do not fit in {b}")
+        new = Rows(b, len(self.parked), self.dfa.shape[1])
+        for j, r in enumerate(held):
+            for name in ("episode", "live", "count", "drawn", "dfa", "enabled"):
+                getattr(new, name)[j] = getattr(self, name)[r]
+            new.tokens[j], new.logps[j] = self.tokens[r], self.logps[r]
+        new.parked, new.parked_drawn = self.parked, self.parked_drawn
+        return new, held
+
+
+def split_rows(rows: int, park: int, episodes: int, split: int) -> tuple[int, int]:
+    """(decode rows, park rows) of `rows` KV rows (all processes; a multiple of `split`,
+    the mesh's fsdp): `park` of them (-1: a quarter, rounded down to a multiple of split)
+    park episodes that wait for a tool, but only when episodes outnumber the rows (else
+    nothing waits for a decode row), and at least `split` rows decode."""
+    if episodes <= rows:
+        return rows, 0
+    p = rows // 4 if park < 0 else park
+    p = min(p // split * split, rows - split)
+    return rows - p, p
+
+
+def pad_moves(moves: list[tuple[int, int]], n: int, src_start: int, dst_start: int) -> tuple[np.ndarray, np.ndarray]:
+    """Moves (local src row, local dst row) as two int32[n] arrays of global rows (offset
+    by this process's first row of each cache), padded with no-moves (-1)."""
+    src, dst = np.zeros(n, np.int32), np.full(n, -1, np.int32)
+    for i, (a, b) in enumerate(moves):
+        src[i], dst[i] = a + src_start, b + dst_start
+    return src, dst

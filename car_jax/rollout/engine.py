@@ -106,6 +106,9 @@ class Engine:
 
     # -- helpers ----------------------------------------------------------------------
     def _local_count(self, rows: int) -> int:
+        """This process's share of `rows` rows split over fsdp (0 of none)."""
+        if not rows:
+            return 0
         mine = hosts.local_rows(rows, self.mesh)
         return mine.stop - mine.start
 

@@ -186,7 +186,9 @@ def markdown(cfg: ExperimentConfig, res: dict, commands: Sequence[str], figures:
             rel_cell = "n/a" if math.isnan(rel["mean"]) else (
                 f"{100 * rel['mean']:+.1f}% [{100 * rel['lo']:+.1f}%, {100 * rel['hi']:+.1f}%]")
             lines.append(f"| {arm} | {_cell(d['d_accuracy'])} | {_cell(d['d_ece'])} | {rel_cell} |")
-        lines += ["", f"![reliability diagrams, {split}]({figures[f'reliability_{split}']})", ""]
+        if f"reliability_{split}" in figures:
+            lines += ["", f"![reliability diagrams, {split}]({figures[f'reliability_{split}']})"]
+        lines.append("")
     lines += ["## Training curves", "", f"![training curves]({figures['curves']})", ""]
     eq = res["equivalence"]
     if eq:
@@ -231,8 +233,9 @@ def write_report(cfg: ExperimentConfig, out_dir: str | Path | None = None, comma
     curves_figure(cfg, out / figs["curves"])
     data = collect(cfg)
     for split in cfg.eval.splits:
-        figs[f"reliability_{split}"] = f"{ASSETS}/reliability_{split}.png"
-        reliability_figure(data[split], split, out / figs[f"reliability_{split}"])
+        if data[split]:  # a partial report may have no evaluation of a split yet
+            figs[f"reliability_{split}"] = f"{ASSETS}/reliability_{split}.png"
+            reliability_figure(data[split], split, out / figs[f"reliability_{split}"])
     (out / ASSETS / "results.json").write_text(json.dumps(_clean(res), indent=2) + "\n")
     path = out / "RESULTS.md"
     path.write_text(markdown(cfg, res, commands, figs))

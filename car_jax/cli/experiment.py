@@ -28,14 +28,18 @@ def register(sub) -> None:
 
 
 def _check_folder(cfg) -> None:
-    """Writes <dir>/experiment.yaml, or refuses a folder started with another config."""
+    """Writes <dir>/experiment.yaml, or refuses a folder started with another config (the
+    saved file, read with today's defaults for keys it lacks, must equal `cfg`)."""
     from pathlib import Path
 
-    from car_jax.config import ConfigError, dump_config, parse_yaml, save_config
+    from car_jax.config import ConfigError, load_config, save_config
+    from car_jax.experiment import ExperimentConfig
 
     path = Path(cfg.dir) / "experiment.yaml"
     if path.is_file():
-        if parse_yaml(path.read_text()) != dump_config(cfg):
+        # read back through today's dataclasses: a key added to car_jax since the folder was
+        # started takes its default on both sides and is not a difference
+        if load_config(ExperimentConfig, path, []) != cfg:
             raise ConfigError(f"dir: {cfg.dir} holds an experiment started with another config ({path}); "
                               f"rerun with --config {path}, or choose another dir=")
         return

@@ -33,7 +33,9 @@ EQUIV_KEYS = ("loss", "kl", "entropy", "accuracy", "ece", "confidence", "grad_no
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """A JSONL file's rows ([] when it does not exist yet); a run still writing it may leave a
+    torn last line, which is skipped (`read_samples`)."""
+    return read_samples(path, missing_ok=True)
 
 
 def collect(cfg: ExperimentConfig) -> dict:
@@ -71,9 +73,8 @@ def equivalence_check(cfg: ExperimentConfig) -> dict | None:
     return {"b": b, "expected_ratio": 1 + b, "steps": steps}
 
 
-def build(cfg: ExperimentConfig) -> dict:
-    """The report's numbers (results.json without its figures)."""
-    data = collect(cfg)
+def build(cfg: ExperimentConfig, data: dict) -> dict:
+    """The report's numbers (results.json without its figures) from `collect(cfg)`."""
     res = {"splits": {}, "baseline": cfg.baseline, "arms": list(cfg.arms), "seeds": list(cfg.seeds)}
     for split, policies in data.items():
         summ = {name: stats.arm_summary(recs, cfg.eval.n_boot, seed=i)
@@ -228,10 +229,10 @@ def write_report(cfg: ExperimentConfig, out_dir: str | Path | None = None, comma
     and results.json and the PNGs in out_dir/results. Returns the RESULTS.md path."""
     out = Path(out_dir) if out_dir else Path(cfg.dir) / "report"
     (out / ASSETS).mkdir(parents=True, exist_ok=True)
-    res = build(cfg)
+    data = collect(cfg)
+    res = build(cfg, data)
     figs = {"curves": f"{ASSETS}/curves.png"}
     curves_figure(cfg, out / figs["curves"])
-    data = collect(cfg)
     for split in cfg.eval.splits:
         if data[split]:  # a partial report may have no evaluation of a split yet
             figs[f"reliability_{split}"] = f"{ASSETS}/reliability_{split}.png"

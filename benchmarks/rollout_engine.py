@@ -3,7 +3,7 @@ batching through max_concurrent slots, tools overlapping decoding) against the l
 runner it replaced (every episode at once, each turn waiting for its slowest row and its
 tools), in one run, same model, prompts, tool and seed.
 
-    .venv/bin/python benchmarks/rollout_engine.py [--episodes 128] [--slots 16] [--latency 0.1]
+    .venv/bin/python benchmarks/rollout_engine.py [--episodes 128] [--slots 16] [--latency 0.1] [--warmups 2]
 
 The mix: a random tiny model samples (temperature 1) every segment to its budget (no stop
 pattern fires); a segment's text decides, by a fixed hash, whether it answers (about 2 in 3)
@@ -11,7 +11,9 @@ or searches, so most episodes answer at once and a geometric tail takes up to fo
 turns; the search tool sleeps --latency seconds per batched call (a retriever's round trip).
 Utilisation = sampled tokens / slot-steps (decode rows x steps, summed over decode calls;
 the engine's tail narrows its decode rows); "at full width" divides by the first decode
-rows x every step instead. Each configuration runs once to compile, then once timed."""
+rows x every step instead. Each configuration runs --warmups times to compile, then once
+timed (the engine's schedule follows the tool's timing, so one run may not meet every
+shape the next one does: its decode windows, its narrowings)."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--latency", type=float, default=0.1, help="seconds per batched tool call")
     ap.add_argument("--response", type=int, default=32, help="tokens per segment")
+    ap.add_argument("--warmups", type=int, default=2, help="untimed runs of each configuration first (compiles)")
     ap.add_argument("--only-engine", action="store_true", help="skip the all-at-once runs")
     args = ap.parse_args()
 
@@ -90,7 +93,8 @@ def main() -> None:
             (f"engine, max_concurrent={args.slots}", run_episodes, args.slots)]
     for label, run, max_concurrent in runs[2:] if args.only_engine else runs:
         kwargs = dict(config=episode_config(max_concurrent), protocol=LongTail(), seed=1)
-        run(model, tok, prompts, {"search": search}, **kwargs)  # compile
+        for _ in range(args.warmups):  # compile
+            run(model, tok, prompts, {"search": search}, **kwargs)
         stats = EpisodeStats()
         start = time.perf_counter()
         trajs = run(model, tok, prompts, {"search": search}, stats=stats, **kwargs)
@@ -101,7 +105,7 @@ def main() -> None:
     print(header(f"Long-tail rollout, {args.episodes} episodes, random tiny Llama (vocab 49152, width 64, 2 layers), "
                  f"{args.response} tokens a segment, tool latency {args.latency:g} s",
                  f"python benchmarks/rollout_engine.py --episodes {args.episodes} --slots {args.slots} "
-                 f"--latency {args.latency:g} --response {args.response}"))
+                 f"--latency {args.latency:g} --response {args.response} --warmups {args.warmups}"))
     print(f"episodes by segments (1..5): {rows[0][3].tolist()} (first), {rows[-1][3].tolist()} (last)\n")
     print("| runner | KV rows (decode + park) | slot utilisation | slot-steps | at full width | decode steps "
           "| sampled tokens | wall (s) | device (s) | tools (s) | parkings | narrowings |")

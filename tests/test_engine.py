@@ -1,6 +1,6 @@
 """The episode engine: episodes through max_concurrent slots give the same trajectories as
-all at once (greedy and sampled, per-episode RNG), the KV cache is sized by the slots, and
-tool calls run while the other slots decode."""
+all at once (greedy and sampled, per-episode RNG; also with every decode call cut short),
+the KV cache is sized by the slots, and tool calls run while the other slots decode."""
 import dataclasses
 import threading
 import zlib
@@ -15,6 +15,7 @@ from car_jax.rollout import engine
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
 from car_jax.rollout.lockstep import run_lockstep
 from car_jax.rollout.protocols import ANSWER, Action
+from car_jax.rollout.schedule import Clock
 from car_jax.rollout.slots import compact, episode_keys, move_rows
 from tests.hf_factory import build
 
@@ -161,8 +162,10 @@ def test_kv_cache_is_sized_by_the_slots(setup, monkeypatch):
         park = 1 if max_concurrent else 0
         start = [(stats.slots - park, stats.capacity)] + ([(park, stats.capacity)] if park else [])
         assert len(trajs) == n and [m[:2] for m in made[:len(start)]] == start
-        later = [m[0] for m in made[len(start):]]  # each narrowing halves the decode rows
-        assert later == [(stats.slots - park) >> (i + 1) for i in range(len(later))] and len(later) == stats.narrowings
+        later = [m[0] for m in made[len(start):]]  # each narrowing halves the decode rows, once or more
+        widths = [stats.slots - park] + later
+        assert all(v in (w >> 1, w >> 2, w >> 3) and v >= 1 for w, v in zip(widths, later)), widths
+        assert len(later) == stats.narrowings
         sizes[n, max_concurrent] = sum(m[2] for m in made[:len(start)])
     # bytes of keys + values + valid + positions: rows x (L x 2 x K x H x S x 4 + S + 4) + index
     cfg = model.config
@@ -236,10 +239,8 @@ def test_compact_and_move_rows_sharded_as_unsharded(setup, tmp_path):
     np.testing.assert_array_equal(np.stack(moved[0][:len(k)]).reshape(k2.shape)[:, [0, 3]], k2[:, [5, 2]])
 
 
-def test_tools_run_while_other_slots_decode(setup, monkeypatch):
-    """Each tool call holds its result until the device loop has made another decode call
-    (or a fifth of a second passed): with tools overlapping decoding some call sees one; a loop
-    that waited for its tools would make none while a call is out."""
+def _count_decode_calls(monkeypatch) -> list[int]:
+    """The engine's decode calls counted, from now on, in the one-item list returned."""
     calls = [0]
     decode = engine.decode_slots
 
@@ -248,6 +249,14 @@ def test_tools_run_while_other_slots_decode(setup, monkeypatch):
         return decode(*args, **kwargs)
 
     monkeypatch.setattr(engine, "decode_slots", counting)
+    return calls
+
+
+def test_tools_run_while_other_slots_decode(setup, monkeypatch):
+    """Each tool call holds its result until the device loop has made another decode call
+    (or a fifth of a second passed): with tools overlapping decoding some call sees one; a loop
+    that waited for its tools would make none while a call is out."""
+    calls = _count_decode_calls(monkeypatch)
     spans = []  # (decode calls made when the tool call started, when it returned)
 
     def tool(queries):
@@ -264,6 +273,36 @@ def test_tools_run_while_other_slots_decode(setup, monkeypatch):
     assert any(end > start for start, end in spans), spans  # decode calls ran while a tool call was out
     assert all(log["error"] is None for t in trajs for log in t.tool_log)
     _same(trajs, _run(setup, 1.0, 0))  # and the episodes are the same as without the waits
+
+
+def test_decode_calls_cut_anywhere_give_the_same_episodes(setup, monkeypatch):
+    """Every decode call cut after one step (as if a tool result were always due): the
+    episodes are those of uncut calls, all at once."""
+    every = _run(setup, 1.0, 0)
+    monkeypatch.setattr(Clock, "steps_until", lambda self, jobs, now, floor, most: 1)
+    calls = _count_decode_calls(monkeypatch)
+    stats = EpisodeStats()
+    _same(_run(setup, 1.0, 2, stats=stats, park_slots=1), every)
+    # one step a call: as many calls as steps, and at least an episode's sampled tokens
+    assert calls[0] == stats.decode_steps >= max(int(t.loss_mask.sum()) for t in every) > 1
+
+
+def test_clock_sizes_a_decode_call_to_the_next_due_result():
+    clock = Clock()
+    assert clock.steps_until(["a"], 0.0, 2, 32) == 32  # no decode step timed yet
+    clock.decoded(0.5, 50)  # 10 ms a step
+    assert clock.steps_until([], 0.0, 2, 32) == 32  # no job out: the whole budget
+    clock.started = {"a": 1.0, "b": 1.05}
+    assert clock.steps_until(["a", "b"], 1.0, 2, 32) == 2  # no job finished yet: the floor
+    clock.finished("x", 0.2)  # a job took 200 ms
+    clock.decoded(0.3, 20)  # 15 ms a step: the mean is 0.75 x 10 + 0.25 x 15 = 11.25 ms
+    # "a" is due at 1.2 s; at 1.1 s that is 100 ms away: ceil(100 / 11.25) = 9 steps
+    assert clock.steps_until(["a", "b"], 1.1, 2, 32) == 9
+    assert clock.steps_until(["b"], 1.0, 2, 32) == 23  # due in 250 ms: ceil(22.2)
+    assert clock.steps_until(["b"], 0.0, 2, 32) == 32  # due in 1.25 s: capped at the budget
+    assert clock.steps_until(["a"], 1.5, 2, 32) == 2  # overdue: the floor
+    clock.finished("a", 0.4)  # 0.75 x 0.2 + 0.25 x 0.4 = 0.25 s
+    assert "a" not in clock.started and clock.job_s == 0.25
 
 
 def test_bad_max_concurrent_is_a_clear_error():

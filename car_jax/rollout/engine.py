@@ -12,16 +12,20 @@ whatever the step's episode count. While episodes wait for a row, `park_slots` o
 rows are a *park* (`schedule.py`): an episode waiting for its tool moves its cache row
 there and its decode row takes another episode, so a tool wait does not idle a decode
 row. In the tail (no episode waits, every process's episodes fit in half the decode
-rows) the decode rows are halved, down to an eighth, so the last episodes do not decode
-beside empty rows (the narrower cache is allocated before the wider one is freed:
-at most 1.5 x the rows for a moment). A round of the loop: collect finished tool jobs
-(their rows get observation chunks), park / unpark episodes and refill free rows from
-the waiting episodes, prefill, then one
-decode call that returns when every live slot has stopped or, while episodes wait for a
-slot or a tool job is out, once `REFILL` of the slots are idle. Every call into the
-device is made by every process in the same order; what the host knows only locally
-(rows to prefill, live rows, waiting episodes, tool jobs out) is agreed in one
-`hosts.allgather` a round.
+rows) the decode rows are halved, as often as they fit, down to an eighth, so the last
+episodes do not decode beside empty rows (the narrower cache is allocated before the
+wider one is freed: at most 1.5 x the rows for a moment). A round of the loop: collect
+finished tool jobs (their rows get observation chunks); unpark episodes whose
+observation is back into free decode rows, then park episodes waiting for a tool (in the
+park rows just left too), and refill free rows from the waiting episodes; narrow in the
+tail; prefill; then one decode call that returns when every live slot has stopped or,
+while episodes wait for a slot or a tool job is out, once `REFILL` of the slots are idle,
+or when a tool result that a row waits for is due (`schedule.Clock`: the running mean of
+a tool job's time over the running mean of a decode step's), so that row does not idle
+to the end of the call. Where a call ends does not change an episode's tokens. Every
+call into the device is made by every process in the same order; what the host knows
+only locally (rows to prefill, live rows, waiting episodes, tool jobs out, steps until
+a result is due) is agreed in one `hosts.allgather` a round.
 
 With several processes each owns a contiguous block of the slots (rows over fsdp, as
 `hosts.local_rows`) and refills them from its own episodes; its episode i is the step's
@@ -41,7 +45,7 @@ import numpy as np
 from car_jax import hosts
 from car_jax.rollout.generate import decode_windows, eos_ids, left_pad, prompt_texts, round_up
 from car_jax.rollout.protocols import ANSWER, VOID, Action
-from car_jax.rollout.schedule import Rows, pad_moves, split_rows
+from car_jax.rollout.schedule import Clock, Rows, pad_moves, split_rows
 from car_jax.rollout.slots import compact, decode_slots, move_rows, prefill_prompts_shared, prefill_rows
 from car_jax.rollout.stops import stop_tables
 from car_jax.rollout.tool_calls import Tool, run_tools
@@ -95,7 +99,7 @@ class Engine:
         self.turn_stops = np.array([True] * len(stops) + [False] * len(final))
         self.slots = Rows(self.b, self.p, len(self.turn_stops))
         self.ready: dict[int, list[int]] = {}  # parked episode -> its chunk (observation back)
-        self.narrow = False  # agreed last round: the next one narrows the decode rows by half
+        self.clock = Clock()  # step and tool-job times: a decode call ends when a waited-for result is due
         self.key = jax.random.key(seed)
         self.waiting = collections.deque(range(n))
         self.jobs: dict[cf.Future, dict[int, tuple[Action, list[int]]]] = {}
@@ -165,7 +169,7 @@ class Engine:
         self.chunks = {}
         return cache, logits
 
-    def _decode(self, cache, logits, min_idle: int):
+    def _decode(self, cache, logits, min_idle: int, limit: int):
         """One decode call over the slots. It attends over one window, the cache's first
         slots up to the bucket that holds index + max_response_tokens: a call is at most a
         segment long and the index of mixed slots is rarely small, so staged windows would
@@ -174,13 +178,15 @@ class Engine:
         cache = self._room(cache, r_max)
         s = self.slots
         episode = np.where(s.episode >= 0, s.episode + self.offset, 0).astype(np.int32)
+        t0 = time.perf_counter()
         out, logits, cache = decode_slots(
             self.model.module, self.cfg.sampler, r_max, self.model.params, cache, logits,
             *(self._global(x) for x in (s.live, s.count, s.dfa, s.enabled, episode, s.drawn)),
-            self.eos, self.tables, self.key, np.int32(min_idle),
+            self.eos, self.tables, self.key, np.int32(min_idle), np.int32(limit),
             windows=decode_windows(int(cache.index), r_max, cache.capacity, stages=1))
         out = out._replace(**{f: self._local(getattr(out, f)) for f in out._fields if f != "steps"})
         steps = int(out.steps)
+        self.clock.decoded(time.perf_counter() - t0, steps)
         free = int((s.episode < 0).sum())
         st = self.stats
         st.idle_refill += free * steps if self.waiting else 0
@@ -238,7 +244,8 @@ class Engine:
         if not actions:
             return
         if any(a.kind in self.tools for a, _ in actions.values()):
-            self.jobs[pool.submit(self._tool_job, actions)] = actions
+            job = pool.submit(self._tool_job, actions)
+            self.jobs[job], self.clock.started[job] = actions, time.perf_counter()
         else:  # no tool to call (invalid / void actions): the observation is known now
             self._observe(actions, *self._tool_job(actions))
 
@@ -280,22 +287,25 @@ class Engine:
             cf.wait(list(self.jobs), return_when=cf.FIRST_COMPLETED)
             self.stats.seconds_tool_wait += time.perf_counter() - t0
         for future in [f for f in self.jobs if f.done()]:
-            self._observe(self.jobs.pop(future), *future.result())
+            results, seconds = future.result()
+            self.clock.finished(future, seconds)
+            self._observe(self.jobs.pop(future), results, seconds)
 
     def _schedule(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
-        """The round's moves on the host: decode rows whose episode waits for a tool are
-        parked while others want a decode row, parked episodes whose observation is back
-        take free decode rows (their chunk queued), and free decode rows take the next
-        waiting episodes. Returns (park moves, unpark moves, refilled rows)."""
+        """The round's moves on the host, in the order the device makes them: parked
+        episodes whose observation is back take free decode rows (their chunk queued);
+        then decode rows whose episode waits for a tool are parked (in the park rows just
+        left too) while others want a decode row; free decode rows take the next waiting
+        episodes. Returns (unpark moves, park moves, refilled rows)."""
         s = self.slots
-        want = len(self.ready) + len(self.waiting) - int((s.episode < 0).sum())
-        tool_out = [r for r in np.flatnonzero((s.episode >= 0) & ~s.live).tolist() if r not in self.chunks]
-        parked = s.park(tool_out[:max(want, 0)])
         unparked = s.unpark(list(self.ready))
         for _, r in unparked:
             e = int(s.episode[r])
             self.chunks[r] = self.ready.pop(e)
             s.start_segment(r, self._stops_for(e))
+        want = len(self.ready) + len(self.waiting) - int((s.episode < 0).sum())
+        tool_out = [r for r in np.flatnonzero((s.episode >= 0) & ~s.live).tolist() if r not in self.chunks]
+        parked = s.park(tool_out[:max(want, 0)])
         rows = []
         for r in np.flatnonzero(s.episode < 0):
             if not self.waiting:
@@ -304,7 +314,14 @@ class Engine:
             s.episode[r], s.drawn[r] = e, 0
             s.start_segment(int(r), self._stops_for(e))
             rows.append(int(r))
-        return parked, unparked, rows
+        return unparked, parked, rows
+
+    def _due_jobs(self) -> list[cf.Future]:
+        """Tool jobs out whose result a decode row waits for: one of their episodes holds
+        its decode row, or is parked while a decode row is free."""
+        s = self.slots
+        held, free = set(s.episode[s.episode >= 0].tolist()), bool((s.episode < 0).any())
+        return [j for j, actions in self.jobs.items() if free or not held.isdisjoint(actions)]
 
     def _move(self, moves, src, src_logits, dst, dst_logits, src_rows: int, dst_rows: int, n: int):
         """Moves (local src row, local dst row) of every process in one call; src_rows /
@@ -313,20 +330,30 @@ class Engine:
                          hosts.local_rows(dst_rows, self.mesh).start)
         return move_rows(src, src_logits, dst, dst_logits, self._global(a), self._global(b))
 
-    def _narrowed(self, cache, logits):
-        """The decode rows halved (the tail: no episode waits and every process's episodes
-        fit in half): the held rows packed into a new cache of b / 2 rows."""
-        b = self.b // 2
+    def _width(self, waiting: int, in_flight: int) -> int:
+        """The decode rows for this round: b halved (down to an eighth of the first b) while
+        no episode waits and every process's episodes in flight (parked ones included)
+        fit in half, the halves still splitting over fsdp."""
+        b = self.b
+        while (not waiting and b // 2 >= self.min_b and in_flight <= b // 2
+               and (b // 2 * hosts.count()) % self.split == 0):
+            b //= 2
+        return b
+
+    def _narrowed(self, cache, logits, b: int, new: list[int]):
+        """The tail's narrower decode rows: the held rows packed into a new cache of b rows
+        (their queued chunks and the rows just refilled, `new`, follow them). Returns
+        (cache, logits, new)."""
         self.slots, held = self.slots.narrowed(b)
         self.chunks = {held.index(r): c for r, c in self.chunks.items()}
         rows = b * hosts.count()
-        new = self.model.init_cache(rows, self.capacity)
-        new_logits = self._global(np.zeros((b, self.model.config.vocab_size), np.float32))
-        new, new_logits = self._move(list(zip(held, range(len(held)))), cache, logits, new, new_logits,
-                                     self.n_slots, rows, self.b)
+        narrow = self.model.init_cache(rows, self.capacity)
+        narrow_logits = self._global(np.zeros((b, self.model.config.vocab_size), np.float32))
+        narrow, narrow_logits = self._move(list(zip(held, range(len(held)))), cache, logits, narrow, narrow_logits,
+                                           self.n_slots, rows, self.b)
         self.b, self.n_slots = b, rows
         self.stats.narrowings += 1
-        return new, new_logits
+        return narrow, narrow_logits, [held.index(r) for r in new]
 
     def run(self) -> list[Trajectory]:
         stats = self.stats
@@ -335,27 +362,28 @@ class Engine:
         logits = self._global(np.zeros((self.b, self.model.config.vocab_size), np.float32))
         with cf.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="tools") as pool:
             while True:
-                if self.narrow:
-                    cache, logits = self._narrowed(cache, logits)
                 self._collect(block=False)
-                parked, unparked, new = self._schedule()
+                unparked, parked, new = self._schedule()
                 longest = max((len(c) for c in self.chunks.values()), default=0)
+                r_max = self.cfg.max_response_tokens
+                limit = self.clock.steps_until(self._due_jobs(), time.perf_counter(), max(1, r_max // 8), r_max)
                 # the round's decisions, agreed: [rows to refill, longest chunk, live, waiting,
-                # jobs, parked, unparked, episodes in flight]
+                # jobs, unparked, parked, episodes in flight, steps until a result is due]
                 agreed = hosts.allgather(np.array([[len(new), longest, int(self.slots.live.sum()),
-                                                    len(self.waiting), len(self.jobs), len(parked), len(unparked),
-                                                    self.slots.in_flight()]], np.int64))
-                n_new, _, live, waiting, jobs, n_parked, n_unparked, _ = agreed.sum(axis=0)
-                longest = int(agreed[:, 1].max())
-                half = self.b // 2
-                self.narrow = bool(waiting == 0 and half >= self.min_b and agreed[:, 7].max() <= half
-                                   and (half * hosts.count()) % self.split == 0)
+                                                    len(self.waiting), len(self.jobs), len(unparked), len(parked),
+                                                    self.slots.in_flight(), limit]], np.int64))
+                n_new, _, live, waiting, jobs, n_unparked, n_parked, _, _ = agreed.sum(axis=0)
+                longest, limit = int(agreed[:, 1].max()), int(agreed[:, 8].min())
                 t0 = time.perf_counter()
+                # unpark first: the park rows it leaves take this round's parked episodes
+                if n_unparked:
+                    cache, _ = self._move(unparked, park, None, cache, None, stats.park_slots, self.n_slots, self.p)
                 if n_parked:
                     park, _ = self._move(parked, cache, None, park, None, self.n_slots, stats.park_slots, self.p)
                     stats.parkings += int(n_parked)
-                if n_unparked:
-                    cache, _ = self._move(unparked, park, None, cache, None, stats.park_slots, self.n_slots, self.p)
+                b = self._width(waiting, int(agreed[:, 7].max()))
+                if b < self.b:
+                    cache, logits, new = self._narrowed(cache, logits, b, new)
                 if n_new:
                     cache, logits = self._prefill_prompts(cache, logits, new)
                 if longest:
@@ -363,7 +391,7 @@ class Engine:
                 if live:
                     idle = self.n_slots - live
                     min_idle = idle + max(1, int(self.n_slots * REFILL)) if waiting + jobs else self.n_slots + 1
-                    out, cache, logits = self._decode(cache, logits, min_idle)
+                    out, cache, logits = self._decode(cache, logits, min_idle, limit)
                     stats.seconds_device += time.perf_counter() - t0
                     self._submit(pool, self._take_output(out))
                 elif jobs:

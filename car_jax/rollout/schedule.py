@@ -96,3 +96,37 @@ def pad_moves(moves: list[tuple[int, int]], n: int, src_start: int, dst_start: i
     for i, (a, b) in enumerate(moves):
         src[i], dst[i] = a + src_start, b + dst_start
     return src, dst
+
+
+class Clock:
+    """Host timing that sizes a decode call: seconds per decode step and per tool job
+    (running means), and when each job out started. `steps_until` answers how many decode
+    steps to run before the earliest due job's result is back, so the call can end then
+    and its row take the result instead of idling to the end of the call."""
+
+    def __init__(self):
+        self.step_s = self.job_s = None
+        self.started: dict = {}  # job -> its submit time (perf_counter seconds)
+
+    @staticmethod
+    def _mean(old: float | None, new: float) -> float:
+        return new if old is None else 0.75 * old + 0.25 * new
+
+    def decoded(self, seconds: float, steps: int) -> None:
+        if steps:
+            self.step_s = self._mean(self.step_s, seconds / steps)
+
+    def finished(self, job, seconds: float) -> None:
+        self.started.pop(job, None)
+        self.job_s = self._mean(self.job_s, seconds)
+
+    def steps_until(self, jobs: list, now: float, floor: int, most: int) -> int:
+        """Decode steps (floor..most) until the first of `jobs` is due: its start plus the
+        mean job time; `floor` while no job has finished yet or one is overdue, `most`
+        without jobs or before any decode call timed a step."""
+        if not jobs or self.step_s is None:
+            return most
+        if self.job_s is None:
+            return floor
+        due = min(self.started[j] for j in jobs) + self.job_s - now
+        return int(min(most, max(floor, -(-due // self.step_s))))

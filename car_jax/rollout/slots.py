@@ -6,7 +6,8 @@ Every row is in one of three states, tracked on the host: *decoding* a segment, 
 
 - `decode_slots`: samples for the decoding rows until a row's segment ends (a stop
   pattern, EOS, or its budget of `max_steps` tokens) and either every row has stopped, or
-  `min_idle` rows are not decoding (a refill is worth doing), or `max_steps` steps ran.
+  `min_idle` rows are not decoding (a refill is worth doing), or `limit` (at most
+  `max_steps`) steps ran (a tool result is due for a row that waits).
   Unlike `decode.decode_segment` a row's segment may span several calls: its token count
   so far and its stop automata's states go in and come out.
 - `prefill_rows`: writes new tokens (a pending token + observation, or a fresh prompt)
@@ -67,7 +68,7 @@ def episode_keys(key: jax.Array, episode: jax.Array, drawn: jax.Array) -> jax.Ar
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("windows",), donate_argnums=(4, 5))
 def decode_slots(module: Decoder, sampler: Sampler, max_steps: int, params, cache: KVCache, logits,
-                 live, count, dfa, enabled, episode, drawn, eos_ids, tables, key, min_idle,
+                 live, count, dfa, enabled, episode, drawn, eos_ids, tables, key, min_idle, limit,
                  *, windows: tuple[int, ...] = ()):
     """Decodes the live rows of the slots.
 
@@ -76,7 +77,9 @@ def decode_slots(module: Decoder, sampler: Sampler, max_steps: int, params, cach
     max_steps); dfa int32[B, A] automaton states; enabled bool[B, A] the automata each row
     listens to (its turn's stops); episode int32[B] and drawn int32[B] (the per-episode
     RNG, see the module doc); eos_ids int32[E]; tables int32[A, Z, V]; key: the rollout's
-    PRNG key; min_idle int32[]: return once that many rows are not live. windows: as
+    PRNG key; min_idle int32[]: return once that many rows are not live; limit int32[]:
+    return after that many steps at most (a tool result is due: the call ends so its row
+    can take it; results do not depend on where calls end). windows: as
     `decode.decode_segment` (index + max_steps <= W_k <= S). Returns (SlotOut, logits,
     cache). A row whose segment stopped has its last token pending; one that used its
     budget has it written."""
@@ -94,7 +97,7 @@ def decode_slots(module: Decoder, sampler: Sampler, max_steps: int, params, cach
 
     def cond(s: _Loop, end):
         idle = jnp.sum(~s.live)
-        return (s.step < end) & jnp.any(s.live) & (idle < min_idle)
+        return (s.step < jnp.minimum(end, limit)) & jnp.any(s.live) & (idle < min_idle)
 
     def body(s: _Loop):
         one = lambda lg, k: tuple(x[0] for x in sampler(lg[None], k, module.policy))  # noqa: E731

@@ -52,9 +52,10 @@ DATA_AXES: dict[str, tuple[str, ...]] = {
     "cache_v": ("layers", "batch", "kv_heads", "cache", "head_dim"),
     "cache_rows": ("batch", "cache"),  # bool[B, S]
     "rows": ("batch",),  # [B]
-    # the training forward's residual stream [B, T, D]: rows split like the batch, D whole on
-    # every device ("residual" has no rule: the weights' "embed" axis is split over fsdp in
-    # training, the activations' must not be, or each device runs every row's matmuls)
+    # the residual stream [B, T, D] of every forward (training, prefill, decode;
+    # `rows_constraint`): rows split like the batch, D whole on every device ("residual" has
+    # no rule: the weights' "embed" axis is split over fsdp in training, the activations'
+    # must not be, or each device runs every row's matmuls)
     "hidden": ("batch", "time", "residual"),
 }
 
@@ -166,3 +167,19 @@ def shard_params(params: Mapping[str, Any], mesh: Mesh, mode: str = "train") -> 
     """Places an in-memory params pytree on the mesh according to the table."""
     shardings = params_shardings(params, mesh, mode)
     return jax.tree.map(jax.device_put, params, shardings)
+
+
+def rows_constraint(x: jax.Array, like: jax.Array | None = None) -> jax.Array:
+    """x [rows, T, D] constrained to the table's "hidden" layout (rows over fsdp, D whole) on
+    the mesh in the tracing context (`jax.sharding.use_abstract_mesh`, as `rl.steps`'s jitted
+    steps enter it), or else on the mesh `like` (an array, e.g. a weight) is laid out on;
+    x itself when neither names a mesh (one device: nothing changes). Without it XLA lays
+    the residual stream out as the embedding table (D over fsdp in the train layout) and
+    every device runs the matmuls of all the rows."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty and like is not None:
+        placed = jax.typeof(like).sharding
+        mesh = placed.mesh if isinstance(placed, NamedSharding) else mesh
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(DATA_AXES["hidden"], "train")))

@@ -10,10 +10,11 @@ rounding). Only response positions come out: no vocabulary projection is ever sp
 a prompt token.
 
 On a mesh the residual streams of the prompts and the responses are held in the sharding
-table's "hidden" layout (rows over fsdp, D whole; `rows_constraint`) when the caller traces
-with the mesh in context (`jax.sharding.use_abstract_mesh`, as the jitted steps of
-`rl.steps` do): without it, XLA follows the embedding table's layout (D over fsdp) and
-every device runs the matmuls of all the micro-batch's rows.
+table's "hidden" layout (rows over fsdp, D whole; `sharding.rows_constraint`) on the mesh
+the caller traces with in context (`jax.sharding.use_abstract_mesh`, as the jitted steps of
+`rl.steps` do) or, failing that, the mesh the embedding table is laid out on: without it,
+XLA follows the embedding table's layout (D over fsdp) and every device runs the matmuls
+of all the micro-batch's rows.
 
 Letters (`car_jax.dims`): U prompts, P prompt length, B rows, R response length.
 """
@@ -22,11 +23,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from car_jax import sharding as shd
 from car_jax.models.cache import LayerKV
 from car_jax.models.decoder import Decoder
 from car_jax.models.flash import slot_mask
 from car_jax.models.layers import rms_norm
+from car_jax.sharding import rows_constraint
 
 
 def prompt_response_hidden(module: Decoder, params, prompt: jax.Array, prompt_valid: jax.Array,
@@ -49,7 +50,7 @@ def prompt_response_hidden(module: Decoder, params, prompt: jax.Array, prompt_va
     take = (lambda a: a) if prompt_index is None else (lambda a: a[prompt_index])  # [U, ...] -> [B, ...]
     prompt_valid, valid = prompt_valid.astype(bool), valid.astype(bool)
     embed = params["embed"].astype(dt)
-    xp, xr = rows_constraint(embed[prompt]), rows_constraint(embed[tokens])  # [U, P, D], [B, R, D]
+    xp, xr = rows_constraint(embed[prompt], embed), rows_constraint(embed[tokens], embed)  # [U, P, D], [B, R, D]
     # RoPE positions count valid tokens only; a response continues after its prompt's
     pos_p = jnp.maximum(jnp.cumsum(prompt_valid, axis=1) - 1, 0)
     pos_r = take(prompt_valid.sum(axis=1))[:, None] + jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
@@ -69,18 +70,10 @@ def prompt_response_hidden(module: Decoder, params, prompt: jax.Array, prompt_va
         kv = LayerKV(jnp.pad(take(kv.k), ((0, 0), (0, 0), (0, 0), (0, r))),  # [B, K, H, P + R]
                      jnp.pad(take(kv.v), ((0, 0), (0, 0), (0, r), (0, 0))))  # [B, K, P + R, H]
         yr, _ = block.apply({"params": p}, xr, pos_r, mask_r, kv, p_len)
-        return rows_constraint(yp), rows_constraint(yr)
+        return rows_constraint(yp, embed), rows_constraint(yr, embed)
 
     if module.remat:
         layer = jax.checkpoint(layer)
     xp, xr = module.policy.layers.over_layers(layer, (xp, xr), params["layers"])
     last = rms_norm(take(xp[:, -1]), params["final_norm"], c.norm_eps, dt)  # left-padded: slot P-1
     return last, rms_norm(xr, params["final_norm"], c.norm_eps, dt)
-
-
-def rows_constraint(x: jax.Array) -> jax.Array:
-    """x [rows, T, D] constrained to the sharding table's "hidden" train layout (rows over
-    fsdp, D whole) when a mesh is in the tracing context; x itself without one."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, shd.spec_for(shd.DATA_AXES["hidden"], "train"))

@@ -42,11 +42,55 @@ def test_param_bytes_match_the_param_tree_split_by_jax():
     assert make_plan(tiny_cfg("rl.loss.kl_coef=0"), 2, 2, "v5e", prompt_tokens=64, model=TINY).ref_bytes == 0
 
 
+SLOTS = 64 + 2 * 64 + 1 * 48  # prompt + 2 turns x 64 + one observation chunk (1 + 32 -> 48)
+
+
+def cache_row(slots: int = SLOTS, cb: int = 2) -> int:
+    """One row of TINY's cache on a device (tp=1): keys and values [L, K, S, H], slot flags [S]."""
+    return 2 * TINY.n_layers * TINY.n_kv_heads * slots * TINY.head_dim * cb + slots
+
+
 def test_kv_cache_bytes_by_hand():
     plan = make_plan(tiny_cfg("model.dtype=bfloat16"), 2, 1, "v5e", prompt_tokens=64, model=TINY)
-    rows, slots = 32 // 2, 64 + 2 * 64 + 1 * 48  # prompt + 2 turns x 64 + one observation chunk (1 + 32 -> 48)
-    assert plan.shapes.capacity == slots
-    assert plan.kv_cache_bytes == 2 * TINY.n_layers * rows * TINY.n_kv_heads * slots * TINY.head_dim * 2 + rows * slots
+    assert plan.shapes.capacity == SLOTS
+    assert plan.kv_cache_bytes == 32 // 2 * cache_row()
+
+
+@pytest.mark.parametrize("overrides,rows,narrow", [
+    ([], 32, 16),  # every episode at once: no park; half of 32 decode rows
+    (["rollout.max_concurrent=16"], 16, 6),  # 32 episodes > 16 rows: park 16 // 4 = 4, half of 12 decode rows
+    (["rollout.max_concurrent=16", "rollout.park_slots=0"], 16, 8),
+], ids=["all-at-once", "park-a-quarter", "no-park"])
+def test_narrowing_tail_counted_by_hand(overrides, rows, narrow):
+    """The engine's tail allocates a cache of half the decode rows (and its float32 logits
+    [rows, V]) before it frees the wider one: the planner's KV peak holds both, the rollout
+    phase the larger of that copy and a program's temporaries with the gathered weights. With
+    no park the KV peak is 1.5 x the rows' cache (+ the logits)."""
+    fsdp = 2
+    plan = make_plan(tiny_cfg("model.dtype=bfloat16", *overrides), fsdp, 1, "v5e", prompt_tokens=64, model=TINY)
+    assert (plan.shapes.rollout_rows, plan.shapes.narrow_rows) == (rows, narrow)
+    assert plan.kv_cache_bytes == rows // fsdp * cache_row()
+    assert plan.narrowing_bytes == narrow // fsdp * (cache_row() + TINY.vocab_size * 4)
+    assert plan.kv_peak_bytes == (rows + narrow) // fsdp * cache_row() + narrow // fsdp * TINY.vocab_size * 4
+    if narrow == rows // 2:
+        assert plan.kv_peak_bytes - narrow // fsdp * TINY.vocab_size * 4 == 1.5 * plan.kv_cache_bytes
+    held = plan.params_bytes + plan.opt_state_bytes + plan.ref_bytes
+    program = plan.gathered_bytes + plan.rollout_temp_bytes
+    assert plan.rollout_bytes == held + plan.kv_cache_bytes + max(program, plan.narrowing_bytes)
+
+
+def test_narrowing_tail_sets_the_paper_configs_rollout_phase():
+    """Qwen2.5-3B on a v5p-8, 512 rows of 5,060 slots (2,560 episodes: 128 park, 384 decode):
+    the tail's copy of 192 rows outweighs the widest prefill with its gathered weights, so the
+    rollout phase is the weights, the moments, the reference and 704 rows of cache, 192 of
+    them with their logits."""
+    plan = plan_config(Path(__file__).resolve().parents[1] / "configs" / "fit" / "qwen2.5-3b_v5p-8.yaml")
+    c, sh = model_config(load_config(TrainConfig, "configs/fit/qwen2.5-3b_v5p-8.yaml").model.path), plan.shapes
+    assert (sh.rollout_rows, sh.capacity, sh.decode_rows, sh.narrow_rows) == (512, 5060, 384, 192)
+    row = 2 * c.n_layers * c.n_kv_heads * sh.capacity * c.head_dim * 2 + sh.capacity  # bf16 keys and values, flags
+    held = plan.params_bytes + plan.opt_state_bytes + plan.ref_bytes
+    assert plan.narrowing_bytes > plan.gathered_bytes + plan.rollout_temp_bytes
+    assert plan.rollout_bytes == held + (512 + 192) // 4 * row + 192 // 4 * c.vocab_size * 4
 
 
 @pytest.mark.parametrize("model,fsdp,tp,overrides", [
@@ -72,11 +116,12 @@ def test_plan_agrees_with_xla_memory_analysis(model, fsdp, tp, overrides):
     (2, 2, ["model.remat=false"]),
 ], ids=["4x1-remat", "2x2-no-remat"])
 def test_plan_agrees_with_xla_train_step_over_fsdp(fsdp, tp, overrides):
-    """With rows split over fsdp the train step's peak is within 15% of the planner's: the
-    forward keeps each device's rows only (`prompt_forward.rows_constraint`; without it XLA
-    holds about twice the planner's figure here), and each layer's and the head's weights
-    are gathered whole with their gradients (`memory.gathered_bytes`, counted by hand here:
-    one layer's params and the head's, D whole, 1/tp of the rest)."""
+    """With rows split over fsdp the train step's and the rollout prefill's peaks are within
+    15% of the planner's: the forwards keep each device's rows only
+    (`sharding.rows_constraint`; without it XLA holds about twice the planner's figure for
+    the train step and 1.7x for the prefill on 4x1), and each layer's and the head's weights
+    are gathered whole, with their gradients in the train step (`memory.gathered_bytes`,
+    counted by hand here: one layer's params and the head's, D whole, 1/tp of the rest)."""
     cfg = tiny_cfg(*overrides)
     plan = make_plan(cfg, fsdp, tp, "v5e", prompt_tokens=64, model=TINY)
     c, f = TINY, 4  # float32 params
@@ -85,9 +130,11 @@ def test_plan_agrees_with_xla_train_step_over_fsdp(fsdp, tp, overrides):
     layer += 2 * c.d_model  # the two norms, whole
     head = c.d_model * c.vocab_size // tp  # lm_head [D, V / tp]
     assert plan.gathered_bytes == (layer + head) * f
-    xla = xla_memory(cfg, TINY, fake_mesh(fsdp, tp), plan.shapes, programs=("train_step",))
+    xla = xla_memory(cfg, TINY, fake_mesh(fsdp, tp), plan.shapes, programs=("train_step", "prefill"))
     step = plan.params_bytes + plan.opt_state_bytes + plan.grads_bytes + 2 * plan.gathered_bytes + plan.activation_bytes
     assert step == pytest.approx(xla["train_step"].peak, rel=0.15)
+    prefill = plan.params_bytes + plan.gathered_bytes + plan.kv_cache_bytes + plan.rollout_temp_bytes
+    assert prefill == pytest.approx(xla["prefill"].peak, rel=0.15)
 
 
 def test_cli_json_has_the_keys(capsys):

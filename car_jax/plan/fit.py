@@ -63,7 +63,7 @@ def table_row(path: Path, plan: Plan) -> list[str]:
     holds their gradients too), the verdict with the peak's share of HBM."""
     sh = plan.shapes
     g = [f"{b / GIB:.1f}" for b in (plan.params_bytes, plan.grads_bytes, plan.opt_state_bytes, plan.ref_bytes,
-                                    plan.gathered_bytes, plan.kv_cache_bytes, plan.activation_bytes,
+                                    plan.gathered_bytes, plan.kv_peak_bytes, plan.activation_bytes,
                                     plan.train_bytes, plan.rollout_bytes, plan.total_bytes, plan.hbm_bytes)]
     verdict = f"{'yes' if plan.fits else 'NO'} ({plan.total_bytes / plan.hbm_bytes:.0%})"
     return [f"`{path.name}`", Path(plan.model).name, f"{plan.fsdp * plan.tp} x {plan.chip} ({plan.fsdp}x{plan.tp})",
@@ -82,13 +82,17 @@ changing a config or the planner). Each row is one config of `configs/fit/`, pla
 names, without weights. Figures are per device, in GiB (2^30 bytes): the policy's params, the
 gradients (the running sum and one micro-batch's), the AdamW moments, the frozen reference,
 the weights fsdp gathers whole at a time (one layer's and the vocabulary head's; the train
-phase also holds their gradients), the rollout's KV cache (`rollout.max_concurrent` rows x the
-episode's slots), the train step's activations with the config's remat. train and rollout
-are the two phases' totals, peak the larger; a config fits when its peak is at most
-{FIT_FRACTION:.0%} of the chip's HBM. Prompts are assumed to be at most {prompt_tokens} tokens,
-responses to use the episode's whole budget (every turn's sampled and observation tokens,
-padded). TFLOPs: the model FLOPs of one step (`rl.prompts_per_step` x `rollout.group_size`
-trajectories) per device (`car_jax.train.flops`). The planner agrees with XLA's
+phase also holds their gradients), the rollout's KV memory at its peak
+(`rollout.max_concurrent` rows x the episode engine's slots, plus the narrowed copy of half
+the decode rows, with its logits, that the engine's tail allocates before it frees the wider
+cache: up to 1.5 x the rows for a moment), the train step's activations with the config's
+remat. train and rollout are the two phases' totals (the rollout: the narrowed copy or a
+program's temporaries and gathered weights, whichever is larger, beside the caches), peak
+the larger; a config fits when its peak is at most {FIT_FRACTION:.0%} of the chip's HBM.
+Prompts are assumed to be at most {prompt_tokens} tokens, responses to use the episode's
+whole budget (every turn's sampled and observation tokens, padded). TFLOPs: the model FLOPs
+of one step (`rl.prompts_per_step` x `rollout.group_size` trajectories) per device
+(`car_jax.train.flops`). The planner agrees with XLA's
 `memory_analysis()` within 15% on the tiny configs of `tests/test_plan.py`; BENCHMARKS.md
 compares it with XLA on the full Qwen2.5-3B config.
 

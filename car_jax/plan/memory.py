@@ -8,9 +8,11 @@ fsdp, kv heads over tp), batch rows over fsdp, and within a tp group every devic
 residual stream [X, D] of its rows whole and 1/tp of the heads, mlp and vocabulary.
 
 Two phases share the chip, and the peak is the larger:
-  rollout = params + optimizer state + reference + KV cache + the rollout's temporaries
-            (the widest prefill's, or the decode loop's: logits and the sampler's sort)
-            + gathered weights (fsdp > 1)
+  rollout = params + optimizer state + reference + KV cache
+            + the larger of: the rollout's temporaries (the widest prefill's, or the decode
+              loop's: logits and the sampler's sort) + gathered weights (fsdp > 1), inside a
+              program; and the narrowed cache of the engine's tail with its logits, between
+              programs (`narrowing_bytes`: for a moment both caches exist)
   train   = params + optimizer state + reference + the step's batch (every row's arrays)
             + gradients + gathered weights and their gradients (fsdp > 1)
             + activations (the train step's temporaries)
@@ -160,13 +162,26 @@ def activation_bytes(model: ModelConfig, shapes: Shapes, cb: int, remat: bool) -
     return stack + max(layer_work(c, b, sh.prompt, sh.response, sh.tp, cb), head)
 
 
-def kv_cache_bytes(model: ModelConfig, shapes: Shapes, cb: int) -> int:
-    """The rollout's cache on one device: keys and values [L, rows / fsdp, K / tp, S, H]
-    in the cache dtype (the compute dtype on accelerators), plus the slot flags."""
+def _cache_row_bytes(model: ModelConfig, shapes: Shapes, cb: int) -> int:
+    """One cache row on one device: keys and values [L, K / tp, S, H] in the cache dtype
+    (the compute dtype on accelerators), plus its S slot flags."""
     c, sh = model, shapes
-    rows = _split("rollout rows", sh.rollout_rows, sh.fsdp, "fsdp")
     k = _split("num_key_value_heads", c.n_kv_heads, sh.tp, "tp")
-    return 2 * c.n_layers * rows * k * sh.capacity * c.head_dim * cb + rows * sh.capacity
+    return 2 * c.n_layers * k * sh.capacity * c.head_dim * cb + sh.capacity
+
+
+def kv_cache_bytes(model: ModelConfig, shapes: Shapes, cb: int) -> int:
+    """The rollout's caches on one device (decode and park rows): rows / fsdp cache rows."""
+    return _split("rollout rows", shapes.rollout_rows, shapes.fsdp, "fsdp") * _cache_row_bytes(model, shapes, cb)
+
+
+def narrowing_bytes(model: ModelConfig, shapes: Shapes, cb: int) -> int:
+    """What the episode engine allocates beside its caches when its tail narrows the decode
+    rows (`shapes.narrow_rows`, half the decode rows; the wider cache is freed after the
+    rows move): the narrowed cache and its float32 next-token logits [rows, V], rows over
+    fsdp (rounded up). With no park, the KV memory is 1.5 x the rollout rows for a moment."""
+    rows = -(-shapes.narrow_rows // shapes.fsdp)
+    return rows * (_cache_row_bytes(model, shapes, cb) + model.vocab_size * 4)
 
 
 def rollout_temp_bytes(model: ModelConfig, shapes: Shapes, cb: int) -> int:
@@ -202,4 +217,4 @@ def dtype_bytes(name: str) -> int:
 
 
 __all__ = ["PlanError", "param_shapes", "params_per_device", "gathered_bytes", "activation_bytes", "kv_cache_bytes",
-           "rollout_temp_bytes", "batch_bytes", "dtype_bytes", "head_chunk", "local_size"]
+           "narrowing_bytes", "rollout_temp_bytes", "batch_bytes", "dtype_bytes", "head_chunk", "local_size"]

@@ -36,7 +36,8 @@ class Plan:
     gathered_bytes: int  # fsdp > 1: one layer's and the head's weights gathered whole (param dtype)
     opt_state_bytes: int  # AdamW's two moments (param dtype)
     ref_bytes: int  # the frozen reference (KL on), else 0
-    kv_cache_bytes: int  # the rollout's cache
+    kv_cache_bytes: int  # the rollout's caches (decode and park rows)
+    narrowing_bytes: int  # the tail's narrowed cache and its logits, beside the caches for a moment
     rollout_temp_bytes: int  # the rollout's widest prefill or decode loop
     activation_bytes: int  # the train step's, with the config's remat setting
     activation_remat_bytes: int
@@ -56,8 +57,17 @@ class Plan:
                 + self.activation_bytes)  # the gathered weights and their gradients
 
     @property
+    def kv_peak_bytes(self) -> int:
+        """The rollout's KV memory at its peak: its caches and, while the tail narrows, the
+        narrowed copy."""
+        return self.kv_cache_bytes + self.narrowing_bytes
+
+    @property
     def rollout_bytes(self) -> int:
-        return self.held_bytes + self.gathered_bytes + self.kv_cache_bytes + self.rollout_temp_bytes
+        """Weights, moments, reference and caches, plus the larger of a program's
+        temporaries and gathered weights and the narrowed copy between programs."""
+        return (self.held_bytes + self.kv_cache_bytes
+                + max(self.gathered_bytes + self.rollout_temp_bytes, self.narrowing_bytes))
 
     @property
     def total_bytes(self) -> int:
@@ -71,8 +81,8 @@ class Plan:
         """The JSON object of `car-jax plan --json`: every byte figure per device."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "shapes"}
         out.update(total_bytes=self.total_bytes, fits=self.fits, train_bytes=self.train_bytes,
-                   rollout_bytes=self.rollout_bytes, shapes=dataclasses.asdict(self.shapes),
-                   fit_fraction=FIT_FRACTION)
+                   rollout_bytes=self.rollout_bytes, kv_peak_bytes=self.kv_peak_bytes,
+                   shapes=dataclasses.asdict(self.shapes), fit_fraction=FIT_FRACTION)
         return out
 
 
@@ -139,6 +149,7 @@ def make_plan(cfg: TrainConfig, fsdp: int, tp: int, chip: str, prompt_tokens: in
                 gathered_bytes=mem.gathered_bytes(tree, fsdp, tp, pb),
                 ref_bytes=n * pb if cfg.rl.loss.kl_coef else 0,
                 kv_cache_bytes=mem.kv_cache_bytes(model, shapes, cb),
+                narrowing_bytes=mem.narrowing_bytes(model, shapes, cb),
                 rollout_temp_bytes=mem.rollout_temp_bytes(model, shapes, cb),
                 activation_bytes=remat if pm.remat else plain, activation_remat_bytes=remat,
                 activation_no_remat_bytes=plain, batch_bytes=mini + step, hbm_bytes=int(hw.hbm_bytes),
@@ -148,12 +159,14 @@ def make_plan(cfg: TrainConfig, fsdp: int, tp: int, chip: str, prompt_tokens: in
 def max_rollout_rows(cfg: TrainConfig, plan: Plan, model: ModelConfig) -> int:
     """The most rollout rows (a multiple of fsdp) whose rollout phase stays under
     FIT_FRACTION of the HBM with everything else of `plan` held; 0 if none."""
+    cb = mem.dtype_bytes(cfg.model.dtype)
+
     def fits(rows: int) -> bool:
         shapes = dataclasses.replace(plan.shapes, rollout_rows=rows)
-        cb = mem.dtype_bytes(cfg.model.dtype)
-        need = (plan.held_bytes + plan.gathered_bytes + mem.kv_cache_bytes(model, shapes, cb)
-                + mem.rollout_temp_bytes(model, shapes, cb))
-        return need <= FIT_FRACTION * plan.hbm_bytes
+        other = dataclasses.replace(plan, shapes=shapes, kv_cache_bytes=mem.kv_cache_bytes(model, shapes, cb),
+                                    narrowing_bytes=mem.narrowing_bytes(model, shapes, cb),
+                                    rollout_temp_bytes=mem.rollout_temp_bytes(model, shapes, cb))
+        return other.rollout_bytes <= FIT_FRACTION * plan.hbm_bytes
 
     lo, hi = 0, plan.shapes.step_rows // plan.fsdp  # rows per device
     while lo < hi:

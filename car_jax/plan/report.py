@@ -18,6 +18,7 @@ def format_table(plan: Plan, max_rows: int | None = None) -> str:
         ("reference params", plan.ref_bytes),
         ("weights gathered over fsdp (train: x2, gradients)", plan.gathered_bytes),
         (f"KV cache ({sh.rollout_rows} rows x {sh.capacity} slots)", plan.kv_cache_bytes),
+        (f"  + the tail's narrowed copy ({sh.narrow_rows} rows, a moment)", plan.narrowing_bytes),
         ("rollout temporaries", plan.rollout_temp_bytes),
         (f"activations ({sh.micro_rows // sh.fsdp} rows x {sh.prompt}+{sh.response} tokens, as configured)",
          plan.activation_bytes),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from car_jax.rollout.generate import length_bucket, round_up
+from car_jax.rollout.schedule import split_rows
 from car_jax.train.config import TrainConfig
 
 
@@ -24,7 +25,8 @@ class Shapes:
     micro_batches: int  # M: micro-batches of a mini-batch
     micro_rows: int  # b: rows of a micro-batch (all devices)
     step_rows: int  # rows of a step (prompts_per_step x group_size)
-    rollout_rows: int  # rows the rollout holds in its KV cache at once
+    rollout_rows: int  # rows the rollout holds in its KV caches (decode and park rows) at once
+    park_slots: int  # the config's rollout.park_slots (-1: a quarter of the rows park)
     capacity: int  # S: the rollout cache's slots
     prefill_chunk: int  # T of the widest rollout prefill (the prompt, or a pending token + observation)
     fsdp: int
@@ -35,10 +37,11 @@ class Shapes:
         """The sizes of `cfg` on an fsdp x tp mesh, for prompts of up to `prompt_tokens`.
 
         The rollout holds every episode of a step at once (prompts_per_step x group_size
-        rows) unless the config bounds it with `rollout.max_concurrent`. Its cache has, as
-        `episode.run_episodes` allocates, the prompt's width (a multiple of 16) plus every
-        turn's sampling budget plus every tool turn's pending token and observation,
-        padded to a multiple of 16."""
+        rows) unless the config bounds it with `rollout.max_concurrent`. Its cache has the
+        prompt's width (a multiple of 16) plus every turn's sampling budget plus every tool
+        turn's pending token and observation, padded to a multiple of 16. (The episode
+        engine allocates the widest single write more, `engine.capacity`: 10% more slots
+        on the paper config, not counted here yet.)"""
         if prompt_tokens < 1:
             raise ValueError(f"prompt_tokens={prompt_tokens} must be >= 1 (the longest prompt, in tokens)")
         r, rl = cfg.rollout, cfg.rl
@@ -51,5 +54,19 @@ class Shapes:
         capacity = round_up(prompt_tokens) + (r.max_turns + 1) * r.max_response_tokens + r.max_turns * obs_chunk
         return cls(prompt=length_bucket(prompt_tokens, 16), response=length_bucket(r.max_response_length, 16),
                    micro_batches=mini // micro, micro_rows=micro, step_rows=step_rows, rollout_rows=rollout_rows,
-                   capacity=capacity, prefill_chunk=max(round_up(prompt_tokens), obs_chunk if r.max_turns else 0),
-                   fsdp=fsdp, tp=tp)
+                   park_slots=r.park_slots, capacity=capacity,
+                   prefill_chunk=max(round_up(prompt_tokens), obs_chunk if r.max_turns else 0), fsdp=fsdp, tp=tp)
+
+    @property
+    def decode_rows(self) -> int:
+        """The rollout rows that decode (the rest park episodes waiting for a tool), as the
+        engine splits them (`schedule.split_rows`; a park only while episodes outnumber rows)."""
+        return split_rows(self.rollout_rows, self.park_slots, self.step_rows, self.fsdp)[0]
+
+    @property
+    def narrow_rows(self) -> int:
+        """Rows of the narrowed cache the engine allocates beside its caches in the tail
+        (`Engine._narrowed`: the decode rows halved once or more, so at most half of them).
+        The engine narrows only when the half splits over the processes and fsdp; counted
+        here whenever there are two decode rows or more: an upper bound."""
+        return self.decode_rows // 2 if self.decode_rows >= 2 else 0

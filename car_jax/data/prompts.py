@@ -1,7 +1,7 @@
 """Prompt templates: plain strings, so they can be read (and copied) as they are.
 
 Each template is a system message (the rules) and a user message (`{question}` filled in).
-`make_prompt(example, "search" | "direct" | "tir" | PromptTemplate) -> [system, user]` chat
+`make_prompt(example, "search" | "direct" | "tir" | "mixed" | PromptTemplate) -> [system, user]` chat
 messages for `run_episodes`.
 
 The layouts match what the parsers check (`car_jax.calibration.parsing.check_format`):
@@ -11,6 +11,11 @@ The layouts match what the parsers check (`car_jax.calibration.parsing.check_for
     tir     prose and ```python blocks (results come back in ```output blocks), then
             <confidence>n</confidence> and the final \\boxed{answer} as the very last thing:
             the TIR protocol ends the episode at the boxed answer, so the confidence comes first.
+    mixed   both tools (the `Mixed` protocol): <think>..</think>, then any number of
+            <search>q</search> <information>..</information> or ```python blocks ```output blocks,
+            each followed by <think>..</think>, then <answer>a</answer> <confidence>n</confidence>.
+            A search question's trajectory is scored on the search layout (a code block there
+            fails the format check); an arithmetic problem's needs only the confidence to parse.
 """
 from __future__ import annotations
 
@@ -59,6 +64,41 @@ Example of the ending:
 <confidence> 80 </confidence>
 \\boxed{42}"""
 
+MIXED_SYSTEM = """\
+You answer questions with the help of two tools: a search engine that finds facts, and a Python \
+interpreter that calculates. Work in this order:
+1. Think first, inside <think> and </think>.
+2. If you are missing a fact, search for it by writing a query inside <search> and </search>. \
+The results will appear between <information> and </information>.
+3. If you need to calculate, write a Python program in a block that starts with ```python and ends \
+with ```, and print the result. What it prints comes back to you in an ```output block.
+4. Search for facts you do not know; calculate with the numbers you have. After each result, think \
+again inside <think> and </think>. You may use the tools several times.
+5. When you are ready, give a short final answer (a few words or a number, no explanation) inside \
+<answer> and </answer>.
+6. Right after the answer, rate how likely your answer is to be correct as a whole number from 0 \
+(surely wrong) to 100 (surely right), inside <confidence> and </confidence>. Be honest: if the \
+search results did not contain the answer or the program failed, your confidence should be low.
+Write nothing after </confidence>.
+Example of a question that needs a fact:
+<think> I need the founding year of the town. </think>
+<search> town founding year </search>
+<information> ... </information>
+<think> The second result gives the year. </think>
+<answer> 1650 </answer>
+<confidence> 90 </confidence>
+Example of a problem that needs a calculation:
+<think> I should add the three lengths. </think>
+```python
+print(412 + 96 + 1250)
+```
+```output
+Code execution result: 1758
+```
+<think> The program gives the total. </think>
+<answer> 1758 </answer>
+<confidence> 95 </confidence>"""
+
 QUESTION_USER = "Question: {question}"
 PROBLEM_USER = "Problem: {question}"
 
@@ -80,6 +120,7 @@ TEMPLATES = {
     "search": PromptTemplate("search", SEARCH_SYSTEM),
     "direct": PromptTemplate("direct", DIRECT_SYSTEM),
     "tir": PromptTemplate("tir", TIR_SYSTEM, PROBLEM_USER),
+    "mixed": PromptTemplate("mixed", MIXED_SYSTEM),
 }
 
 

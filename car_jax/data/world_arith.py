@@ -9,10 +9,14 @@ Operations (OPS):
     mean_height       the mean height of 2 or 4 mountains
     line_lowered      k * (depth(a) + depth(b)) of two lakes, k in 2..6 (stated in the problem)
     ascent_hours      a mountain's height / v metres per hour, v stated in the problem
+
+`program(op, problem)` writes the short Python program that computes a problem's answer
+from the numbers its text states (the mixed SFT demonstrations run it with the code tool).
 """
 from __future__ import annotations
 
 import random
+import re
 from decimal import Decimal
 from fractions import Fraction
 
@@ -27,6 +31,33 @@ def number(x: Fraction) -> str:
     if Fraction(d) != x:
         raise ValueError(f"{x} has no short terminating decimal")
     return format(d.normalize(), "f")
+
+
+# op -> (how many numbers its text states, in order; the program over them, `n` their list)
+PROGRAMS = {
+    "years_between": (2, "a, b = {n[0]}, {n[1]}\nprint(abs(a - b))"),
+    "total_length": (3, "lengths = [{n[0]}, {n[1]}, {n[2]}]\nprint(sum(lengths))"),
+    "age_at_invention": (2, "born, shown = {n[0]}, {n[1]}\nprint(shown - born)"),
+    "mean_height": (None, "heights = [{heights}]\nmean = sum(heights) / len(heights)\n"
+                          "print(mean if mean % 1 else int(mean))"),
+    "line_lowered": (3, "depths = [{n[0]}, {n[1]}]\nprint({n[2]} * sum(depths))"),
+    "ascent_hours": (2, "hours = {n[0]} / {n[1]}\nprint(hours if hours % 1 else int(hours))"),
+}
+
+
+def program(op: str, problem: str) -> str:
+    """The Python program that prints the answer of a word problem of `op` (the numbers
+    read from its text, in the order `word_problems` writes them; mean_height's last number
+    is the count of mountains). ValueError for an unknown op or a text whose numbers do not fit."""
+    if op not in PROGRAMS:
+        raise ValueError(f"unknown arithmetic op {op!r}; choose one of {', '.join(OPS)}")
+    count, code = PROGRAMS[op]
+    n = re.findall(r"\d+", problem)
+    if op == "mean_height":  # the heights, then how many there are
+        count = int(n[-1]) + 1 if n else 0
+    if not n or len(n) != count:
+        raise ValueError(f"{op} problem {problem!r} states the numbers {n}, not the ones a {op} problem states")
+    return code.format(n=n, heights=", ".join(n[:-1]))
 
 
 def word_problems(rng: random.Random, world: dict, hidden: dict, doc_of: dict, n: int) -> list[dict]:

@@ -2,14 +2,15 @@
 invented encyclopedia (`car_jax.data.world_gen`: names, fact sentences, question templates)
 scaled up to what the pilot and the CAR-vs-vanilla experiment need.
 
-    load_dataset("world-large", split="train" | "dev" | "ood" | "arith_train" | "arith_dev")
+    load_dataset("world-large", split="train" | "dev" | "ood" | "arith_train" | "arith_dev"
+                 | "mixed_train" | "mixed_dev")
     search_tool("world-large")                             # BM25 over its corpus
     python -m car_jax.data.world_large --out DIR           # write the files to DIR, e.g. to read them
 
 Storage (car_jax's decision): generated, not shipped. The first use writes the files into
 `<car_jax cache>/world_large_<key>/` (a temporary folder renamed into place, so an interrupted
 write is never used); key = sha256 of the generator's sources (this file, world_gen.py,
-world_arith.py) and the seed, so an edited generator gets fresh files and the repository
+world_arith.py, world_mixed.py) and the seed, so an edited generator gets fresh files and the repository
 stays small (the files take 1.9 MB, ~1 s to generate). The output is a pure
 function of the seed (`random.Random`; no `hash()`, no set order, no clock).
 
@@ -40,6 +41,10 @@ Files (the small world's formats; question rows also carry `entity` and `relatio
                       problems whose numbers are world facts, stated in the problem (no search
                       needed) and written in the evidence docs; answers exact (integers, or
                       terminating decimals); 800 / 200.
+    mixed_train / mixed_dev
+                      search questions and word problems interleaved, each row marked with the
+                      `tool` it needs (`car_jax.data.world_mixed`); 800 / 200, drawn from
+                      train + arith_train / dev + arith_dev.
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ import sys
 from pathlib import Path
 
 from car_jax.data import world_gen as wg
-from car_jax.data import world_arith
+from car_jax.data import world_arith, world_mixed
 
 NAME = "world-large"
 SEED = 20240612
@@ -62,7 +67,7 @@ COUNTS = {"town": 900, "person": 1300, "river": 220, "lake": 160, "mountain": 26
 SPLITS = {"train": (1200, 400, 200, 200), "dev": (300, 100, 50, 50)}  # single, two_hop, hidden, absent
 OOD = {"new_relation": 250, "paraphrase": 200, "absent": 50}
 ARITH = {"arith_train": 800, "arith_dev": 200}
-FILES = ("corpus", "train", "dev", "ood", "arith_train", "arith_dev")
+FILES = ("corpus", "train", "dev", "ood", "arith_train", "arith_dev", *world_mixed.MIXED)
 HIDDEN_FRACTION, SHARE_ROOT, SHARE_SURNAME, N_GHOSTS, N_EVENTS = 0.1, 0.5, 0.6, 80, 1500
 
 # facts written in the docs that train/dev never ask: kind -> fact -> (sentence or None when
@@ -292,6 +297,7 @@ def generate(seed: int = SEED) -> dict[str, str]:
         files[f"{split}.jsonl"] = wg._jsonl([{"id": f"{NAME}-{split}-{i:04d}", **p, "data_source": NAME}
                                              for i, p in enumerate(problems[start:start + n])])
         start += n
+    files.update(world_mixed.mixed_files(seed, files, NAME))  # its own rng: the files above stay as they were
     return files
 
 
@@ -313,10 +319,10 @@ def _split(rng: random.Random, split: str, sizes: dict, pools: dict) -> str:
 
 # ---------------------------------------------------------------- files on disk
 def source_key(seed: int = SEED) -> str:
-    """12 hex digits of sha256(the sources of world_gen.py, world_arith.py and this file, seed):
-    the cache folder's key."""
+    """12 hex digits of sha256(the sources of world_gen.py, world_arith.py, world_mixed.py and
+    this file, seed): the cache folder's key."""
     h = hashlib.sha256()
-    for path in (Path(wg.__file__), Path(world_arith.__file__), Path(__file__)):
+    for path in (Path(wg.__file__), Path(world_arith.__file__), Path(world_mixed.__file__), Path(__file__)):
         h.update(path.read_bytes())
     h.update(str(seed).encode())
     return h.hexdigest()[:12]

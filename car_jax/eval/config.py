@@ -57,7 +57,7 @@ class OutputConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     seed: int = 0
-    mode: Literal["search", "direct", "tir"] = "search"  # `eval.runner.MODES`
+    mode: Literal["search", "direct", "tir", "mixed"] = "search"  # `eval.runner.MODES`
     batch_size: int = 8  # episodes run together
     model: EvalModelConfig = EvalModelConfig()
     data: EvalDataConfig = EvalDataConfig()

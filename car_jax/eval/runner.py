@@ -8,6 +8,8 @@ Modes (prompt template, action protocol, tool):
             tool "search"
     direct  no-tool prompt, the same protocol with `max_turns=0`: one segment, no tool
     tir     TIR prompt, `TIR()` protocol, tool "code" (the Python sandbox); math examples only
+    mixed   mixed prompt, `Mixed()` protocol, both tools ("search" and "code") in one episode;
+            QA and math examples alike (world-large mixed_train / mixed_dev)
 Scoring (`car_jax.calibration.rewards.reward_inputs`, with each example's task): "qa" = exact match of the
 last <answer>, format = the full tag chain; "math" = math-verify on the last <answer> or
 \\boxed{}, format = the confidence parses. A missing confidence counts as q = 0.
@@ -55,7 +57,8 @@ from car_jax.calibration.rewards import reward_inputs
 from car_jax.data.examples import QAExample
 from car_jax.data.prompts import make_prompt
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
-from car_jax.rollout.protocols import TIR, car_search
+from car_jax.rollout.protocols import TIR, Mixed, car_search
+from car_jax.rollout.toolbox import tool_names
 
 SAMPLES_FILE, SUMMARY_FILE, PLOT_FILE = "samples.jsonl", "summary.json", "reliability.png"
 # greedy decoding (Search-R1's validation), 4 search turns of 500 tokens, 500-token observations
@@ -69,7 +72,7 @@ class Mode:
     name: str
     template: str
     protocol: Callable[[], object]
-    tool: str | None  # the action kind the mode calls, None for no tool
+    tool: str | None  # the tool kind the mode calls (`toolbox.tool_names`), None for no tool
     single_turn: bool = False
 
 
@@ -77,6 +80,7 @@ MODES = {
     "search": Mode("search", "search", car_search, "search"),
     "direct": Mode("direct", "direct", car_search, None, single_turn=True),
     "tir": Mode("tir", "tir", TIR, "code"),
+    "mixed": Mode("mixed", "mixed", Mixed, "mixed"),
 }
 
 
@@ -293,8 +297,8 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
     if not examples:
         raise ValueError("evaluate needs at least one example")
     tools = dict(tools or {})
-    if spec.tool is not None and spec.tool not in tools:
-        raise ValueError(f"mode {mode!r} needs a {spec.tool!r} tool in tools=, got {sorted(tools)}")
+    if missing := [name for name in tool_names(spec.tool) if name not in tools]:
+        raise ValueError(f"mode {mode!r} needs a {missing[0]!r} tool in tools=, got {sorted(tools)}")
     if mode == "tir" and (bad := [e.id for e in examples if e.task != "math"]):
         raise ValueError(f"mode 'tir' scores math answers, but {len(bad)} examples are QA (e.g. {bad[0]!r}); "
                          "use a math dataset (MATH-500: problem, answer; AIME 2024: Problem, Answer) "

@@ -6,6 +6,9 @@ segment decides; anything else is an invalid action, answered with a fixed messa
 TIR (verification tool, SimpleTIR style): a `\\boxed{` ends the episode (when the model
 writes it, at its balanced closing brace; when the program prints it with `final_answer`, at
 that observation); else the first fenced Python block is run; a turn with neither is *void*.
+Mixed (both tools, beyond the paper): SearchR1's tags and TIR's fenced Python blocks in one
+episode; the first complete action in the segment decides (a search, a code block, or the
+`<answer>`, which runs on to `</confidence>` as in `car_search`); anything else is invalid.
 
 An observation is `head + body + tail` (`wrap`): the episode loop truncates the body (the
 tool's result) to the observation budget and keeps the wrapper whole, so a long result never
@@ -95,5 +98,48 @@ class TIR:
         return "\\boxed{" in observation
 
 
-# the config names of the protocols (`rollout.protocol`) -> (factory, the tool kind it calls)
-PROTOCOLS = {"car_search": (car_search, "search"), "search_r1": (SearchR1, "search"), "tir": (TIR, "code")}
+@dataclasses.dataclass(frozen=True)
+class Mixed:
+    """Both tools in one episode: `<search>q</search>` (an `<information>` observation, as
+    SearchR1) and a fenced ```python block (an ```output observation, as TIR); the answer is
+    `<answer>a</answer>` followed by `<confidence>n</confidence>` (car_search's layout, for
+    math problems too: the reward reads the last `<answer>` of either task). Of the actions
+    written in a segment, the one that starts first decides; a segment with none complete
+    (a tag or a fence left open, prose only, an unknown tag) is an invalid action, answered
+    with a message that names both tools. No observation ends the episode: a `\\boxed{}`
+    that a program prints is output like any other, the answer is the model's own."""
+    stops: tuple = ("</search>", ("```python", "```"), "</confidence>")
+    final_stops: tuple = ("</confidence>",)
+    # no literal tags or fences in the message (see SearchR1.invalid_message)
+    invalid_message: str = ("\nThat was not a valid action. Write a search query between the search tags to look "
+                            "up a fact, a Python program in a python code block to calculate, or the final answer "
+                            "between the answer tags followed by your confidence.\n")
+    _tags = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+    def parse(self, text: str) -> Action:
+        found = []
+        tag, code = self._tags.search(text), TIR._code.search(text)
+        if tag is not None:
+            found.append((tag.start(), Action("search" if tag.group(1) == "search" else ANSWER, tag.group(2).strip())))
+        if code is not None:
+            found.append((code.start(), Action("code", code.group(1))))
+        return min(found, key=lambda f: f[0])[1] if found else Action(INVALID)
+
+    def wrap(self, action: Action, result: str) -> tuple[str, str, str]:
+        """(head, body, tail): TIR's for code, SearchR1's for a search, the message for an invalid action."""
+        if action.kind == INVALID:
+            return "", self.invalid_message, ""
+        return (TIR() if action.kind == "code" else SearchR1()).wrap(action, result)
+
+    def observation(self, action: Action, result: str) -> str:
+        return "".join(self.wrap(action, result))
+
+    def ends_episode(self, observation: str) -> bool:
+        """Only the model's answer ends a mixed episode (see the class doc)."""
+        return False
+
+
+# the config names of the protocols (`rollout.protocol`) -> (factory, the tool kind it calls;
+# "mixed": both, `toolbox.tool_names`)
+PROTOCOLS = {"car_search": (car_search, "search"), "search_r1": (SearchR1, "search"), "tir": (TIR, "code"),
+             "mixed": (Mixed, "mixed")}

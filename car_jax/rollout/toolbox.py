@@ -5,7 +5,8 @@ share (YAML section `tools`):
         run_episodes(model, tokenizer, prompts, box.tools, ...)
 
 A tool kind is the action kind a protocol emits: "search" (a retriever), "code" (the Python
-sandbox), or None (no tool).
+sandbox), None (no tool), or "mixed": both tools in one toolbox, each call routed by its
+action kind (`tool_calls.run_tools`), for the `Mixed` protocol.
 """
 from __future__ import annotations
 
@@ -53,15 +54,31 @@ class Toolbox:
         self.close()
 
 
+TOOL_KINDS = {None: (), "search": ("search",), "code": ("code",), "mixed": ("search", "code")}
+
+
+def tool_names(kind: str | None) -> tuple[str, ...]:
+    """The action kinds (keys of `Toolbox.tools`) a tool kind opens: "mixed" -> ("search", "code")."""
+    if kind not in TOOL_KINDS:
+        raise ValueError(f"unknown tool kind {kind!r}: choose 'search', 'code', 'mixed' or None")
+    return TOOL_KINDS[kind]
+
+
 def open_tools(kind: str | None, cfg: ToolsConfig) -> Toolbox:
-    """The tools for one tool kind ("search", "code" or None)."""
-    if kind is None:
+    """The tools for one tool kind ("search", "code", "mixed" or None)."""
+    boxes = [_open_search(cfg) if name == "search" else _open_code(cfg) for name in tool_names(kind)]
+    if not boxes:
         return Toolbox({}, "none")
-    if kind == "code":
-        tool = PythonTool(SandboxConfig(timeout_s=cfg.code_timeout_s))
-        return Toolbox({"code": tool}, "python sandbox", [tool])
-    if kind != "search":
-        raise ValueError(f"unknown tool kind {kind!r}: choose 'search', 'code' or None")
+    return Toolbox({k: v for b in boxes for k, v in b.tools.items()}, " + ".join(b.label for b in boxes),
+                   [r for b in boxes for r in b.resources])
+
+
+def _open_code(cfg: ToolsConfig) -> Toolbox:
+    tool = PythonTool(SandboxConfig(timeout_s=cfg.code_timeout_s))
+    return Toolbox({"code": tool}, "python sandbox", [tool])
+
+
+def _open_search(cfg: ToolsConfig) -> Toolbox:
     retriever = search_tool(cfg.retriever)
     if cfg.retriever == "world":
         label = f"world BM25 index {world_index()}"

@@ -99,7 +99,7 @@ class RolloutConfig(EpisodeConfig):
     temperature, top_p, top_k) plus what only training rollouts have: the GRPO group
     size and the action protocol. `run_episodes` takes it as its EpisodeConfig."""
     group_size: int = 5  # G trajectories per prompt
-    protocol: Literal["car_search", "search_r1", "tir"] = "car_search"
+    protocol: Literal["car_search", "search_r1", "tir", "mixed"] = "car_search"  # rollout.protocols.PROTOCOLS
 
     def __post_init__(self):
         super().__post_init__()

@@ -5,11 +5,13 @@ not follow the tag format yet.
 Data: JSONL, one trajectory a line:
     {"messages": [chat messages of the prompt], "segments": [{"text": "...", "train": true}, ...]}
 or  {"messages": [...], "response": "..."}  (the whole response is trained on).
-`data = "world"` builds demonstrations from the offline world instead (`world_demos`).
+`data = "world"` builds demonstrations from the offline world instead (`world_demos`; with
+the `mixed` template `mixed_demos`, which teach both tools).
 """
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from pathlib import Path
 
 import jax
@@ -17,11 +19,13 @@ import numpy as np
 
 from car_jax import hosts
 from car_jax.calibration.parsing import normalize_answer
-from car_jax.data import make_prompt
+from car_jax.data import make_prompt, world_arith
 from car_jax.rl.batches import micro_batches, share_prompts, to_device
 from car_jax.rl.host_batch import host_batch, longest, micro_plan
 from car_jax.rollout.episode import Trajectory
 from car_jax.rollout.generate import prompt_texts
+from car_jax.rollout.protocols import Action, Mixed
+from car_jax.tools.python_tool import OBSERVATION_PREFIX
 
 FOUND_CONFIDENCE = 90  # what a demonstration states when the documents hold the answer
 MISSING_CONFIDENCE = 10  # ... and when they do not
@@ -48,20 +52,75 @@ def world_demos(examples, retriever, template: str = "search", confidence: int |
     answer with the gold answer when the documents contain it, else say "unknown"; the
     stated confidence follows `confidence` (`demo_confidences`: by default high when the
     documents hold the answer, low otherwise)."""
+    if template == "mixed":
+        raise ValueError("world_demos writes search demonstrations; for the mixed template use mixed_demos, "
+                         "which also teaches the code tool")
     observations = retriever([ex.question for ex in examples])
     found = [any(normalize_answer(g) in normalize_answer(docs) for g in ex.golden_answers)
              for ex, docs in zip(examples, observations)]
     stated = demo_confidences(len(examples), confidence, found, seed)
-    demos = []
-    for ex, docs, hit, conf in zip(examples, observations, found, stated):
-        answer = ex.golden_answers[0] if hit else "unknown"
-        thought = "The documents give the answer." if hit else "The documents do not say."
-        demos.append({"messages": make_prompt(ex, template), "segments": [
-            {"text": f"<think> I should look this up. </think>\n<search> {ex.question} </search>", "train": True},
+    return [{"messages": make_prompt(ex, template), "segments": _search_segments(ex, docs, hit, conf)}
+            for ex, docs, hit, conf in zip(examples, observations, found, stated)]
+
+
+def _search_segments(ex, docs: str, hit: bool, conf: int) -> list[dict]:
+    """A search demonstration: search the question, read the docs, answer (or "unknown")."""
+    thought = "The documents give the answer." if hit else "The documents do not say."
+    return [{"text": f"<think> I should look this up. </think>\n<search> {ex.question} </search>", "train": True},
             {"text": f"\n\n<information>{docs.strip()}</information>\n\n", "train": False},
-            {"text": f"<think> {thought} </think>\n<answer> {answer} </answer>\n<confidence> {conf} </confidence>",
-             "train": True},
-        ]})
+            _ending(thought, ex.golden_answers[0] if hit else "unknown", conf)]
+
+
+def _ending(thought: str, answer: str, conf: int) -> dict:
+    return {"text": f"<think> {thought} </think>\n<answer> {answer} </answer>\n<confidence> {conf} </confidence>",
+            "train": True}
+
+
+def _prints(result: str, golds) -> bool:
+    """Whether a code observation (`Code execution result: <stdout>`) printed a gold number."""
+    out = result.removeprefix(OBSERVATION_PREFIX).strip()
+    try:
+        return any(Fraction(out) == Fraction(g) for g in golds)
+    except (ValueError, ZeroDivisionError):
+        return False
+
+
+def mixed_demos(examples, tools: dict, confidence: int | str = "informative", seed: int = 0) -> list[dict]:
+    """One demonstration per example with the `mixed` prompt, teaching both tools: a QA
+    example searches its question with tools["search"] (as `world_demos`); a math example
+    (a world-large word problem: meta `op`) writes the program that computes its answer
+    (`world_arith.program`), runs it with tools["code"] (the observation as the `Mixed`
+    protocol writes it) and answers with the gold when the program printed it, else
+    "unknown". The stated confidence follows `confidence` (`demo_confidences`; "informative":
+    high when the documents hold the answer / the program printed it, low otherwise).
+    `tools`: a Toolbox's tools (`open_tools("mixed", ...)`), batched callables."""
+    if missing := sorted({"search" if ex.task == "qa" else "code" for ex in examples} - set(tools)):
+        raise ValueError(f"mixed demonstrations need a {missing[0]!r} tool, got {sorted(tools)}: open the tools "
+                         "of rollout.protocol=mixed")
+    no_op = [ex.id for ex in examples if ex.task == "math" and ex.meta.get("op") not in world_arith.OPS]
+    if no_op:
+        raise ValueError(f"mixed demonstrations write a program only for world-large word problems (meta op), "
+                         f"not for {no_op[0]!r}; use data.train=world-large with a mixed or arith split")
+    qa = [ex for ex in examples if ex.task == "qa"]
+    math = [ex for ex in examples if ex.task == "math"]
+    docs = dict(zip((ex.id for ex in qa), tools["search"]([ex.question for ex in qa]) if qa else []))
+    programs = {ex.id: world_arith.program(ex.meta["op"], ex.question) for ex in math}
+    results = dict(zip(programs, tools["code"](list(programs.values())) if math else []))
+    found = [any(normalize_answer(g) in normalize_answer(docs[ex.id]) for g in ex.golden_answers) if ex.task == "qa"
+             else _prints(results[ex.id], ex.golden_answers) for ex in examples]
+    stated = demo_confidences(len(examples), confidence, found, seed)
+    demos = []
+    for ex, hit, conf in zip(examples, found, stated):
+        if ex.task == "qa":
+            segments = _search_segments(ex, docs[ex.id], hit, conf)
+        else:
+            program = programs[ex.id]
+            thought = "The program gives the answer." if hit else "The program did not give the answer."
+            call = f"<think> I should calculate this. </think>\n```python\n{program}\n```"
+            segments = [{"text": call, "train": True},
+                        {"text": Mixed().observation(Action("code", program), results[ex.id]), "train": False},
+                        _ending(thought, ex.golden_answers[0] if hit else "unknown", conf)]
+        demos.append({"messages": make_prompt(ex, "mixed"), "segments": segments})
     return demos
 
 

@@ -40,7 +40,7 @@ from car_jax.train import flops
 from car_jax.train.config import TrainConfig
 from car_jax.train.log import MetricsLogger, NullLogger, Timer
 from car_jax.train.setup import Setup, build_setup
-from car_jax.train.sft import read_demos, run_sft, tokenize_demos, world_demos
+from car_jax.train.sft import mixed_demos, read_demos, run_sft, tokenize_demos, world_demos
 
 
 class Trainer:
@@ -89,7 +89,9 @@ class Trainer:
         target = {"params": abstract_state(s.state.params)}
         if cfg.run.resume and self.warm_ckpt.latest_step() == cfg.sft.steps:
             return self.warm_ckpt.restore(None, target)[0]["params"]
-        if cfg.sft.data == "world":
+        if cfg.sft.data == "world" and cfg.data.template == "mixed":  # both tools: the run's own
+            demos = mixed_demos(self.examples, s.toolbox.tools)
+        elif cfg.sft.data == "world":
             demos = world_demos(self.examples, world_retriever(), cfg.data.template)
         else:
             demos = read_demos(cfg.sft.data)

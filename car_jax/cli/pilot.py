@@ -3,10 +3,13 @@ the confidence-dichotomy study. Direct prompting, prompt-based tool use and (wit
 --checkpoint) an RL-trained policy, for the evidence tool (search, world-large QA) and the
 verification tool (code, world-large arithmetic or MATH-500); per cell accuracy, ECE, MCIP
 and AUROC with bootstrap intervals, Welch t-tests between the settings, a table, pilot.json
-and pilot.png. The keys are `car_jax.eval.pilot.PilotConfig`'s:
+and pilot.png. With `kinds=[...,mixed]` also one policy with both tools (world-large mixed_dev:
+search questions and word problems, each part reported apart). The keys are
+`car_jax.eval.pilot.PilotConfig`'s:
 
     car-jax pilot evidence_data.limit=100 verification_data.limit=100
     car-jax pilot --checkpoint runs/car/hf --math500 math500.jsonl out=runs/pilot-car
+    car-jax pilot kinds=[evidence,verification,mixed] mixed_checkpoint=runs/smollm2_mixed_cpu/hf
     car-jax pilot kinds=[evidence] model.path=Qwen2.5-3B-Instruct/ tools.retriever=http://127.0.0.1:8000/retrieve
 """
 from __future__ import annotations
@@ -15,7 +18,8 @@ from car_jax.cli import add_config_args, load_config_args
 
 
 def register(sub) -> None:
-    p = sub.add_parser("pilot", help="the confidence-dichotomy pilot: direct vs tool use vs RL, evidence vs verification tool")
+    p = sub.add_parser("pilot", help="the confidence-dichotomy pilot: direct vs tool use vs RL, evidence vs verification tool "
+                                       "(vs both: kinds=[...,mixed])")
     p.add_argument("--checkpoint", default=None, help="RL-trained policy for the rl setting (same as checkpoint=PATH)")
     p.add_argument("--math500", default=None, metavar="PATH",
                    help="MATH-500 file for the verification tool (same as verification_data.path=PATH)")

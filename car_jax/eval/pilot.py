@@ -5,10 +5,16 @@ For each tool kind, three settings on the same questions (the paper's pilot stud
     evidence       world-large dev (QA)            mode direct    mode search      mode search, checkpoint
     verification   world-large arith_dev (math;    mode direct    mode tir (code)  mode tir, checkpoint
                    MATH-500 with a file path)
+    mixed          world-large mixed_dev (QA and   mode direct    mode mixed       mode mixed, checkpoint
+                   math interleaved; opt-in)                      (both tools)
 `direct` and `prompt` run the base model (`model.path`); `rl` runs the RL-trained policy
-(`checkpoint`, or `verification_checkpoint` for the verification tool) and is left out when
-none is given. Each cell is one `car-jax eval` run (`car_jax.eval.job.run_eval`, resumable)
-in `<out>/<kind>/<setting>/` (samples.jsonl, summary.json, reliability.png).
+(`checkpoint`, or `verification_checkpoint` / `mixed_checkpoint` for those kinds) and is left
+out when none is given. The mixed kind (one policy, both tools; beyond the paper) runs when
+`kinds` names it; its cells are also broken down by the tool each question needs (the
+examples' `tool`: "search" questions, "code" word problems), each part with the same numbers
+as a cell, reported and tested as groups `mixed/search` and `mixed/code`. Each cell is one
+`car-jax eval` run (`car_jax.eval.job.run_eval`, resumable) in `<out>/<kind>/<setting>/`
+(samples.jsonl, summary.json, reliability.png).
 
 Per cell: accuracy, ECE, MCIP, AUROC (and Brier) with percentile-bootstrap 95% intervals
 (`car_jax.calibration.metrics.bootstrap_ci`, n_boot resamples, seed `seed`: eval's summary).
@@ -22,8 +28,9 @@ of the difference in the mean of three per-example quantities:
 The tests treat the settings' examples as independent samples (the paper's t-tests do too),
 although they are the same questions.
 
-Files in `out`: pilot.json ({"config", "cells": {kind: {setting: numbers}}, "tests": [...]}),
-pilot.png (the four metrics with their intervals), and the cell folders. The paper's
+Files in `out`: pilot.json ({"config", "cells": {kind: {setting: numbers}}, "tests": [...]};
+a mixed cell's numbers hold "by_tool": {tool: numbers}), pilot.png (the four metrics with their
+intervals, a bar group per kind and per mixed part), and the cell folders. The paper's
 finding (SPEC section 1) reads: MCIP up from direct to tool use for the evidence tool, down
 for the verification tool.
 """
@@ -43,13 +50,14 @@ from car_jax.config import require
 from car_jax.data import load_dataset
 from car_jax.eval.config import EvalConfig, EvalDataConfig, EvalModelConfig, OutputConfig
 from car_jax.eval.job import run_eval
-from car_jax.eval.runner import EVAL_EPISODE, SAMPLES_FILE, read_samples
+from car_jax.eval.runner import EVAL_EPISODE, SAMPLES_FILE, read_samples, summarize
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
 from car_jax.train.config import MeshConfig
 
 PILOT_FILE, PILOT_PLOT = "pilot.json", "pilot.png"
-KINDS = {"evidence": "search", "verification": "tir"}  # tool kind -> its tool mode
+KINDS = {"evidence": "search", "verification": "tir", "mixed": "mixed"}  # tool kind -> its tool mode
+PARTS = ("search", "code")  # a mixed cell's parts: its examples' `tool` (`car_jax.data.world_mixed`)
 SETTINGS = ("direct", "prompt", "rl")
 METRICS = ("accuracy", "ece", "mcip", "auroc", "brier")
 QUANTITIES = ("correct", "calib_error", "wrong_confidence")
@@ -59,12 +67,14 @@ QUANTITIES = ("correct", "calib_error", "wrong_confidence")
 class PilotConfig:
     seed: int = 0
     batch_size: int = 8
-    kinds: tuple[Literal["evidence", "verification"], ...] = ("evidence", "verification")
+    kinds: tuple[Literal["evidence", "verification", "mixed"], ...] = ("evidence", "verification")  # + "mixed": opt-in
     model: EvalModelConfig = EvalModelConfig()  # the base model: settings direct and prompt
     checkpoint: str = ""  # the RL-trained policy for the rl setting ("" = no rl setting)
     verification_checkpoint: str = ""  # a separate RL-trained TIR policy for the verification tool ("" = checkpoint)
+    mixed_checkpoint: str = ""  # a separate RL-trained policy of the mixed protocol for mixed ("" = checkpoint)
     evidence_data: EvalDataConfig = EvalDataConfig(path="world-large", split="dev")
     verification_data: EvalDataConfig = EvalDataConfig(path="world-large", split="arith_dev")  # or a MATH-500 file
+    mixed_data: EvalDataConfig = EvalDataConfig(path="world-large", split="mixed_dev")  # rows with a `tool`
     tools: ToolsConfig = ToolsConfig(retriever="world-large", code_timeout_s=10.0)
     episode: EpisodeConfig = EVAL_EPISODE
     n_boot: int = 1000  # bootstrap resamples per cell
@@ -73,7 +83,7 @@ class PilotConfig:
 
     def __post_init__(self):
         require(len(self.kinds) > 0 and len(set(self.kinds)) == len(self.kinds), "kinds", self.kinds,
-                "one or both of evidence, verification, each once")
+                "some of evidence, verification, mixed, each once")
         require(self.n_boot >= 1, "n_boot", self.n_boot, ">= 1 (the intervals are the point of the pilot)")
         require(bool(self.out), "out", self.out, "an output folder")
 
@@ -85,17 +95,21 @@ def cell_configs(cfg: PilotConfig) -> dict[tuple[str, str], EvalConfig]:
         for kind in cfg.kinds:
             path = cfg.model.path
             if setting == "rl":
-                path = (cfg.verification_checkpoint if kind == "verification" else "") or cfg.checkpoint
+                own = {"verification": ("verification_checkpoint", cfg.verification_checkpoint),
+                       "mixed": ("mixed_checkpoint", cfg.mixed_checkpoint)}
+                which, path = own.get(kind, ("checkpoint", ""))
+                if not path:
+                    which, path = "checkpoint", cfg.checkpoint
                 if not path:
                     continue
                 if not Path(path).exists():
-                    which = "verification_checkpoint" if path == cfg.verification_checkpoint else "checkpoint"
                     raise FileNotFoundError(f"{which}={path!r}: no such file or folder (an RL-trained policy: "
                                             "HF folder, .gguf or params folder)")
             cells[kind, setting] = EvalConfig(
                 seed=cfg.seed, mode="direct" if setting == "direct" else KINDS[kind], batch_size=cfg.batch_size,
                 model=dataclasses.replace(cfg.model, path=path),
-                data=cfg.evidence_data if kind == "evidence" else cfg.verification_data,
+                data={"evidence": cfg.evidence_data, "verification": cfg.verification_data,
+                      "mixed": cfg.mixed_data}[kind],
                 tools=cfg.tools, episode=cfg.episode, mesh=cfg.mesh,
                 output=OutputConfig(dir=str(Path(cfg.out) / kind / setting), resume=True, n_boot=cfg.n_boot))
     return cells
@@ -164,12 +178,19 @@ def per_example(records: list[dict], quantity: str) -> np.ndarray:
     raise ValueError(f"unknown quantity {quantity!r}; choose one of {QUANTITIES}")
 
 
+def group_order(group: str) -> tuple[int, int]:
+    """Sort key of a tool kind ("mixed") or a mixed part ("mixed/search"): KINDS, then PARTS."""
+    kind, _, part = group.partition("/")
+    return list(KINDS).index(kind), PARTS.index(part) + 1 if part else 0
+
+
 def welch_tests(records: dict[tuple[str, str], list[dict]]) -> list[dict]:
-    """(kind, setting) -> its records; -> one row per tool kind, pair of settings (a the later
-    of SETTINGS, b the earlier: prompt vs direct, rl vs direct, rl vs prompt) and quantity:
-    {"kind", "a", "b", "quantity", **welch(values of a, values of b)}."""
+    """(group, setting) -> its records (a group: a tool kind, or a part of the mixed kind such
+    as "mixed/search"); -> one row per group, pair of settings (a the later of SETTINGS, b the
+    earlier: prompt vs direct, rl vs direct, rl vs prompt) and quantity:
+    {"kind" (the group), "a", "b", "quantity", **welch(values of a, values of b)}."""
     rows = []
-    kinds = sorted({k for k, _ in records}, key=list(KINDS).index)
+    kinds = sorted({k for k, _ in records}, key=group_order)
     for kind in kinds:
         present = [s for s in SETTINGS if (kind, s) in records]
         for before, after in itertools.combinations(present, 2):  # a = the later setting, b = the earlier
@@ -189,19 +210,38 @@ def run_pilot(cfg: PilotConfig, *, log=print, progress: bool = True) -> dict:
     for (kind, setting), ecfg in cells.items():
         log(f"pilot: {kind} tool, setting {setting} (mode {ecfg.mode}, model {ecfg.model.path or 'embedded'})")
         summary = run_eval(ecfg, label=ecfg.model.path or None, progress=progress, log=log)
-        ids = [e.id for e in load_dataset(ecfg.data.path, split=ecfg.data.split, limit=ecfg.data.limit)]
+        examples = load_dataset(ecfg.data.path, split=ecfg.data.split, limit=ecfg.data.limit)
         by_id = {r["id"]: r for r in read_samples(Path(ecfg.output.dir) / SAMPLES_FILE)}
-        records[kind, setting] = [by_id[i] for i in ids]  # this run's examples, in data order
-        numbers.setdefault(kind, {})[setting] = {
-            "mode": ecfg.mode, "model": summary.get("model"), "data": summary.get("data"), "n": summary["n"],
-            **{k: summary[k] for k in METRICS}, "ci95": {k: summary["ci95"][k] for k in METRICS},
-            "mean_confidence": summary["mean_confidence"], "mean_tool_calls": summary.get("mean_tool_calls"),
-            "samples": str(Path(ecfg.output.dir) / SAMPLES_FILE)}
+        records[kind, setting] = [by_id[e.id] for e in examples]  # this run's examples, in data order
+        cell = {"mode": ecfg.mode, "model": summary.get("model"), "data": summary.get("data"), **_numbers(summary),
+                "samples": str(Path(ecfg.output.dir) / SAMPLES_FILE)}
+        if kind == "mixed":  # per part: the same numbers (and bootstrap) over its examples alone
+            parts = tool_parts(examples, records[kind, setting])
+            cell["by_tool"] = {t: _numbers(summarize(rows, n_boot=cfg.n_boot, seed=cfg.seed))
+                               for t, rows in parts.items()}
+            records.update(((f"{kind}/{t}", setting), rows) for t, rows in parts.items())
+        numbers.setdefault(kind, {})[setting] = cell
     result = {"config": dataclasses.asdict(cfg), "cells": numbers, "tests": welch_tests(records)}
     out.mkdir(parents=True, exist_ok=True)
     (out / PILOT_FILE).write_text(json.dumps(_nulls(result), indent=2, ensure_ascii=False) + "\n")
     pilot_plot(numbers, out / PILOT_PLOT)
     return result
+
+
+def _numbers(summary: dict) -> dict:
+    """A cell's numbers from an eval summary (`runner.summarize`)."""
+    return {"n": summary["n"], **{k: summary[k] for k in METRICS}, "ci95": {k: summary["ci95"][k] for k in METRICS},
+            "mean_confidence": summary["mean_confidence"], "mean_tool_calls": summary.get("mean_tool_calls")}
+
+
+def tool_parts(examples, records: list[dict]) -> dict[str, list[dict]]:
+    """A mixed cell's records split by the tool their example needs: {part: records} in PARTS
+    order, parts without examples left out. The part is the example's `tool` (world-large's
+    mixed splits), else its task (QA: "search", math: "code")."""
+    need = [ex.meta.get("tool") or ("search" if ex.task == "qa" else "code") for ex in examples]
+    if bad := sorted(set(need) - set(PARTS)):
+        raise ValueError(f"mixed examples name tool {bad[0]!r}; a mixed split's `tool` is one of {', '.join(PARTS)}")
+    return {t: [r for r, n in zip(records, need) if n == t] for t in PARTS if t in need}
 
 
 def _nulls(x):
@@ -222,11 +262,24 @@ def _fmt(v, ci=None) -> str:
     return f"{v:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "")
 
 
+def groups(cells: dict) -> dict[str, dict]:
+    """The cells by group: each tool kind, then each part of a mixed kind ("mixed/search",
+    "mixed/code", from the cells' `by_tool`): {group: {setting: numbers}}."""
+    out = {}
+    for kind, settings in cells.items():
+        out[kind] = settings
+        for part in PARTS:
+            if found := {s: c["by_tool"][part] for s, c in settings.items() if part in c.get("by_tool", {})}:
+                out[f"{kind}/{part}"] = found
+    return out
+
+
 def format_pilot(result: dict) -> str:
-    """The cells as a table (metric [95% interval]) and the Welch tests below it."""
+    """The cells (and the mixed kind's parts) as a table (metric [95% interval]) and the Welch
+    tests below it."""
     head = ["tool", "setting", "n", *(m.upper() if m != "accuracy" else m for m in METRICS[:4])]
     body = [[kind, setting, str(c["n"]), *(_fmt(c[m], c["ci95"][m]) for m in METRICS[:4])]
-            for kind, settings in result["cells"].items() for setting, c in settings.items()]
+            for kind, settings in groups(result["cells"]).items() for setting, c in settings.items()]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
     lines = [line(head), line(["-" * w for w in widths]), *map(line, body), "",
@@ -239,11 +292,13 @@ def format_pilot(result: dict) -> str:
 
 
 def pilot_plot(cells: dict, path: str | Path) -> str:
-    """A PNG: one panel per metric (accuracy, ECE, MCIP, AUROC), a bar group per tool kind,
-    a bar per setting with its 95% interval as an error bar. Undefined values draw no bar."""
-    fig = Figure(figsize=(12, 3.4), dpi=110)
-    axes = fig.subplots(1, 4)
+    """A PNG: one panel per metric (accuracy, ECE, MCIP, AUROC), a bar group per tool kind
+    (and per part of the mixed kind: `groups`), a bar per setting with its 95% interval as an
+    error bar. Undefined values draw no bar."""
+    cells = groups(cells)
     kinds = list(cells)
+    fig = Figure(figsize=(max(12, 3.2 * len(kinds)), 3.4), dpi=110)
+    axes = fig.subplots(1, 4)
     colors = {"direct": "tab:gray", "prompt": "tab:blue", "rl": "tab:orange"}
     for ax, metric in zip(axes, METRICS[:4]):
         for j, setting in enumerate(SETTINGS):
@@ -260,7 +315,8 @@ def pilot_plot(cells: dict, path: str | Path) -> str:
                 errs[1].append(max(hi - v, 0) if hi is not None and not math.isnan(hi) else 0)
             if xs:
                 ax.bar(xs, ys, 0.27, yerr=errs, capsize=3, color=colors[setting], label=setting)
-        ax.set(xticks=range(len(kinds)), xticklabels=kinds, ylim=(0, 1), title=metric.upper() if metric != "accuracy" else metric)
+        ax.set(xticks=range(len(kinds)), ylim=(0, 1), title=metric.upper() if metric != "accuracy" else metric)
+        ax.set_xticklabels(kinds, fontsize=7 if len(kinds) > 3 else None)
     axes[0].legend(fontsize=7)
     fig.suptitle("confidence-dichotomy pilot (95% bootstrap intervals)")
     fig.tight_layout()

@@ -72,7 +72,10 @@ def table(plan, out, timings) -> str:
     rows = [("params", plan.params_bytes, None), ("gradients (sum + one micro-batch)", plan.grads_bytes, None),
             ("AdamW moments", plan.opt_state_bytes, None), ("reference params", plan.ref_bytes, None),
             ("weights gathered over fsdp (train: + gradients)", plan.gathered_bytes, None),
-            ("KV cache", plan.kv_cache_bytes, None), ("rollout temporaries", plan.rollout_temp_bytes, None),
+            ("KV cache", plan.kv_cache_bytes, None),
+            (f"narrowed KV copy of the engine's tail ({plan.shapes.narrow_rows} rows, between programs)",
+             plan.narrowing_bytes, None),
+            ("rollout temporaries", plan.rollout_temp_bytes, None),
             ("activations (remat)", plan.activation_bytes, None), ("batch arrays", plan.batch_bytes, None)]
     if "train_step" in out:
         c = out["train_step"]
@@ -87,8 +90,11 @@ def table(plan, out, timings) -> str:
             c = out[name]
             program = plan.params_bytes + plan.gathered_bytes + plan.kv_cache_bytes + plan.rollout_temp_bytes
             rows += [(f"{name} program (args + out - aliased + temp)", program, c.peak),
-                     (f"**rollout phase, {name}** (+ moments and reference, held outside)", plan.rollout_bytes,
-                      c.peak + plan.opt_state_bytes + plan.ref_bytes)]
+                     (f"rollout phase, {name} (+ moments and reference, held outside)", program + plan.opt_state_bytes
+                      + plan.ref_bytes, c.peak + plan.opt_state_bytes + plan.ref_bytes)]
+    if any(name in out for name in ("decode", "prefill")):
+        rows.append(("**rollout phase** (the larger of a program and the tail's narrowed copy)", plan.rollout_bytes,
+                     None))
     lines = ["| per device | planner (GiB) | XLA:CPU (GiB) | XLA / planner |", "|---|---:|---:|---:|"]
     for name, planned, xla in rows:
         ratio = "" if xla is None or not planned else f"{xla / planned:.2f}"

@@ -239,6 +239,30 @@ def test_compact_and_move_rows_sharded_as_unsharded(setup, tmp_path):
     np.testing.assert_array_equal(np.stack(moved[0][:len(k)]).reshape(k2.shape)[:, [0, 3]], k2[:, [5, 2]])
 
 
+def test_a_mesh_rollout_gives_the_unsharded_episodes(setup, tmp_path, monkeypatch):
+    """On an 8-device mesh (rows over fsdp=4, kv heads over tp=2), 4 slots for 6 episodes:
+    greedy episodes equal those of one device, all at once, and each refill runs only its
+    rows' distinct prompts (u rows, split over fsdp), not every slot."""
+    folder = tmp_path / "m"
+    build("llama", folder, vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    sharded = car_jax.load_model(folder, mesh=car_jax.make_mesh(fsdp=4, tp=2), mode="sample")
+    every = _run(setup, 0.0, 0)
+    prefill = engine.prefill_prompts_shared
+    runs = []  # (prompt rows run, slots) of each refill
+
+    def spy(module, params, cache, logits, tokens, valid, inverse):
+        runs.append((tokens.shape[0], cache.batch_size, int((np.asarray(inverse) >= 0).sum())))
+        return prefill(module, params, cache, logits, tokens, valid, inverse)
+
+    monkeypatch.setattr(engine, "prefill_prompts_shared", spy)
+    model, tok = setup
+    trajs = run_episodes(sharded, tok, PROMPTS, {"search": scripted_search}, config=_cfg(0.0, 4), protocol=Scripted(),
+                         seed=7)
+    _same(trajs, every)
+    assert sum(refilled for _, _, refilled in runs) == len(PROMPTS)  # every episode's prompt, once
+    assert all(u % 4 == 0 and u <= slots for u, slots, _ in runs) and runs[0] == (4, 4, 4), runs
+
+
 def _count_decode_calls(monkeypatch) -> list[int]:
     """The engine's decode calls counted, from now on, in the one-item list returned."""
     calls = [0]

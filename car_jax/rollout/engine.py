@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import math
 import time
 
 import jax
@@ -135,28 +136,31 @@ class Engine:
         return cache
 
     # -- device -----------------------------------------------------------------------
-    def _prefill_prompts(self, cache, logits, rows: list[int]):
-        prompts = [list(self.trajs[self.slots.episode[r]].prompt_ids) for r in rows]
+    def _distinct_prompts(self, rows: list[int]) -> dict[tuple[int, ...], int]:
+        """The distinct prompts of the episodes in decode rows `rows` -> their order."""
+        distinct: dict[tuple[int, ...], int] = {}
+        for r in rows:
+            distinct.setdefault(tuple(self.trajs[self.slots.episode[r]].prompt_ids.tolist()), len(distinct))
+        return distinct
+
+    def _prefill_prompts(self, cache, logits, rows: list[int], most: int):
+        """Fresh prompts into decode rows `rows`: each distinct prompt (a GRPO group's) runs
+        once, on a small cache of u rows a process (`most`: the most distinct prompts of any
+        process, bucketed and split over fsdp, so few shapes compile and every process
+        makes the same call), and is copied into its rows; the other rows are not run."""
+        distinct = self._distinct_prompts(rows)
+        inverse = np.full(self.b, -1, np.int32)
+        for r in rows:
+            inverse[r] = distinct[tuple(self.trajs[self.slots.episode[r]].prompt_ids.tolist())]
+        split = self.split // math.gcd(self.split, hosts.count())  # u x processes splits over fsdp
+        u = min(self.b, round_up(1 << (most - 1).bit_length(), split))
+        first = hosts.local_rows(u * hosts.count(), self.mesh).start if self.mesh is not None else 0
+        inverse = np.where(inverse >= 0, inverse + first, -1).astype(np.int32)
+        tokens, valid = left_pad(list(distinct) + [[]] * (u - len(distinct)), self.prompt_width, self.pad)
         cache = self._room(cache, self.prompt_width)
-        if self.mesh is None:  # each distinct prompt once (a GRPO group's), copied into its rows
-            distinct: dict[tuple[int, ...], int] = {}
-            inverse = np.full(self.b, -1, np.int32)
-            for r, p in zip(rows, prompts):
-                inverse[r] = distinct.setdefault(tuple(p), len(distinct))
-            u = min(self.b, 1 << (len(distinct) - 1).bit_length())  # bucketed: few compiles
-            tokens, valid = left_pad(list(distinct) + [[]] * (u - len(distinct)), self.prompt_width, self.pad)
-            logits, cache = prefill_prompts_shared(self.model.module, self.model.params, cache, logits,
-                                                   jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(inverse))
-        else:
-            per_row = [[] for _ in range(self.b)]
-            for r, p in zip(rows, prompts):
-                per_row[r] = p
-            tokens, valid = left_pad(per_row, self.prompt_width, self.pad)
-            reset = np.zeros(self.b, bool)
-            reset[rows] = True
-            logits, cache = prefill_rows(self.model.module, self.model.params, cache, logits, self._global(tokens),
-                                         self._global(valid), self._global(reset))
-        self.stats.prefilled_tokens += sum(len(p) for p in prompts)
+        logits, cache = prefill_prompts_shared(self.model.module, self.model.params, cache, logits,
+                                               self._global(tokens), self._global(valid), self._global(inverse))
+        self.stats.prefilled_tokens += sum(len(self.trajs[self.slots.episode[r]].prompt_ids) for r in rows)
         return cache, logits
 
     def _prefill_chunks(self, cache, logits, width: int):
@@ -368,11 +372,12 @@ class Engine:
                 r_max = self.cfg.max_response_tokens
                 limit = self.clock.steps_until(self._due_jobs(), time.perf_counter(), max(1, r_max // 8), r_max)
                 # the round's decisions, agreed: [rows to refill, longest chunk, live, waiting,
-                # jobs, unparked, parked, episodes in flight, steps until a result is due]
+                # jobs, unparked, parked, episodes in flight, steps until a result is due, distinct prompts]
                 agreed = hosts.allgather(np.array([[len(new), longest, int(self.slots.live.sum()),
                                                     len(self.waiting), len(self.jobs), len(unparked), len(parked),
-                                                    self.slots.in_flight(), limit]], np.int64))
-                n_new, _, live, waiting, jobs, n_unparked, n_parked, _, _ = agreed.sum(axis=0)
+                                                    self.slots.in_flight(), limit,
+                                                    len(self._distinct_prompts(new))]], np.int64))
+                n_new, _, live, waiting, jobs, n_unparked, n_parked, _, _, _ = agreed.sum(axis=0)
                 longest, limit = int(agreed[:, 1].max()), int(agreed[:, 8].min())
                 t0 = time.perf_counter()
                 # unpark first: the park rows it leaves take this round's parked episodes
@@ -385,7 +390,7 @@ class Engine:
                 if b < self.b:
                     cache, logits, new = self._narrowed(cache, logits, b, new)
                 if n_new:
-                    cache, logits = self._prefill_prompts(cache, logits, new)
+                    cache, logits = self._prefill_prompts(cache, logits, new, int(agreed[:, 9].max()))
                 if longest:
                     cache, logits = self._prefill_chunks(cache, logits, round_up(longest))
                 if live:

@@ -13,8 +13,9 @@ Every row is in one of three states, tracked on the host: *decoding* a segment, 
 - `prefill_rows`: writes new tokens (a pending token + observation, or a fresh prompt)
   into some rows; the rows in `reset` start a new episode (their old slots are
   invalidated and their positions restart at 0). Rows without tokens keep their logits.
-- `prefill_prompts_shared`: the same for fresh prompts on one device, with each distinct
-  prompt run once on a small cache and copied into its rows (a GRPO group's shared prompt).
+- `prefill_prompts_shared`: the same for fresh prompts, with each distinct prompt run
+  once on a small cache and copied into its rows (a GRPO group's shared prompt); the rows
+  not refilled are not run (on a mesh the small cache's rows split over fsdp too).
 - `compact`: the cache's index is shared by all rows, so it grows with every step and
   prefill of any row; when it would overflow, each row's valid slots are packed to the
   front (order kept, so attention and RoPE positions are unchanged) and the index drops to

@@ -4,7 +4,15 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    flags += " --xla_force_host_platform_device_count=8"
+# LLVM -O1 for the code XLA:CPU generates (its default is -O2): the suite is mostly compiles
+# of small programs, and -O1 roughly halves the CPU time of a compile-bound file (greedy
+# parity with transformers: 218 -> 112 s of user time) while leaving floating-point
+# semantics alone (no fast-math at any level). What users run keeps XLA's default.
+COMPILE_FLAGS = "--xla_backend_optimization_level=1"
+if "xla_backend_optimization_level" not in flags:
+    flags += " " + COMPILE_FLAGS
+os.environ["XLA_FLAGS"] = flags.strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

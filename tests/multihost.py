@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import COMPILE_FLAGS
+
 REPO = Path(__file__).resolve().parents[1]
 VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_BIND_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
              "CAR_JAX_DISTRIBUTED", "JAX_LOCAL_DEVICE_IDS", "JAX_CPU_COLLECTIVES_IMPLEMENTATION", "XLA_FLAGS")
@@ -48,7 +50,7 @@ def run_processes(argv: list[str], processes: int, devices: int, *, timeout: flo
     process order. A process still running after `timeout` seconds is killed."""
     base = {k: v for k, v in os.environ.items()
             if k not in VARIABLES and "proxy" not in k.lower()}  # gRPC would use a proxy
-    base |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    base |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {COMPILE_FLAGS}",
              **(env or {})}
     if processes > 1:
         port = free_port()

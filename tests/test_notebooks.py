@@ -16,6 +16,7 @@ import pytest
 from nbclient import NotebookClient
 
 from car_jax.calibration import metrics
+from tests.conftest import COMPILE_FLAGS
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 KERNEL = "car-jax-test"
@@ -37,7 +38,7 @@ def _write_kernelspec(root: Path) -> None:
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "car_jax tests", "language": "python",
-        "env": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},  # one CPU device is enough
+        "env": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": COMPILE_FLAGS},  # one CPU device is enough
     }))
 
 

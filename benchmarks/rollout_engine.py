@@ -13,7 +13,9 @@ Utilisation = sampled tokens / slot-steps (decode rows x steps, summed over deco
 the engine's tail narrows its decode rows); "at full width" divides by the first decode
 rows x every step instead. Each configuration runs --warmups times to compile, then once
 timed (the engine's schedule follows the tool's timing, so one run may not meet every
-shape the next one does: its decode windows, its narrowings)."""
+shape the next one does: its decode windows, its narrowings); "compile (s)" is what the
+timed run still spent tracing, lowering and compiling (jax.monitoring's compile events),
+part of its wall time."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--only-engine", action="store_true", help="skip the all-at-once runs")
     args = ap.parse_args()
 
+    import jax
     import numpy as np
     import torch
     import transformers
@@ -87,6 +90,13 @@ def main() -> None:
         return EpisodeConfig(max_turns=4, max_response_tokens=args.response, max_obs_tokens=32, temperature=1.0,
                              top_p=1.0, max_concurrent=max_concurrent)
 
+    compiling = [0.0]  # seconds of jax's compile events (trace, lower, backend compile) so far
+
+    def on_event(event, seconds, **_):
+        if event.startswith("/jax/core/compile/"):
+            compiling[0] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
     rows = []
     runs = [("lockstep runner (before): every episode at once, turn by turn", run_lockstep, 0),
             ("engine, max_concurrent=0 (every episode at once)", run_episodes, 0),
@@ -96,11 +106,11 @@ def main() -> None:
         for _ in range(args.warmups):  # compile
             run(model, tok, prompts, {"search": search}, **kwargs)
         stats = EpisodeStats()
-        start = time.perf_counter()
+        compiled, start = compiling[0], time.perf_counter()
         trajs = run(model, tok, prompts, {"search": search}, stats=stats, **kwargs)
         seconds = time.perf_counter() - start
         turns = np.bincount([t.n_turns for t in trajs], minlength=6)[1:]
-        rows.append((label, stats, seconds, turns))
+        rows.append((label, stats, seconds, turns, compiling[0] - compiled))
 
     print(header(f"Long-tail rollout, {args.episodes} episodes, random tiny Llama (vocab 49152, width 64, 2 layers), "
                  f"{args.response} tokens a segment, tool latency {args.latency:g} s",
@@ -108,16 +118,21 @@ def main() -> None:
                  f"--latency {args.latency:g} --response {args.response} --warmups {args.warmups}"))
     print(f"episodes by segments (1..5): {rows[0][3].tolist()} (first), {rows[-1][3].tolist()} (last)\n")
     print("| runner | KV rows (decode + park) | slot utilisation | slot-steps | at full width | decode steps "
-          "| sampled tokens | wall (s) | device (s) | tools (s) | parkings | narrowings |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for label, st, seconds, _ in rows:
+          "| sampled tokens | wall (s) | compile (s) | device (s) | tools (s) | parkings | narrowings |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, st, seconds, _, compile_s in rows:
         full = st.sampled_tokens / (st.decode_slots * st.decode_steps)
         print(f"| {label} | {st.slots} ({st.decode_slots} + {st.park_slots}) | {st.utilisation():.1%} | {st.slot_steps} "
-              f"| {full:.1%} | {st.decode_steps} | {st.sampled_tokens} | {seconds:.2f} | {st.seconds_device:.2f} "
+              f"| {full:.1%} | {st.decode_steps} | {st.sampled_tokens} | {seconds:.2f} | {compile_s:.2f} "
+              f"| {st.seconds_device:.2f} "
               f"| {st.seconds_tools:.2f} | {st.parkings} | {st.narrowings} |")
+    if len(rows) > 1:
+        (_, _, base, _, base_c), (_, _, last, _, last_c) = rows[0], rows[-1]
+        print(f"\nwall time, lockstep runner / engine with {args.slots} slots: {base / last:.2f}x "
+              f"({(base - base_c) / (last - last_c):.2f}x without the timed runs' compiles)")
     print("\nIdle slot-steps by cause (engine runs): free while episodes wait | free in the tail | episode waiting "
           "for its tool | stopped within a call")
-    for label, st, _, _ in rows:
+    for label, st, *_ in rows:
         if st.capacity:
             print(f"- {label}: {st.idle_refill} | {st.idle_tail} | {st.idle_tool} | {st.idle_stopped}")
 

@@ -3,7 +3,8 @@
     load_dataset("world")                          # built-in offline world, dev split
     load_dataset("world", split="train")
     load_dataset("world-large", split="ood")       # the large world (car_jax.data.world_large): train, dev,
-                                                   # ood, arith_train, arith_dev (math: the tir mode)
+                                                   # ood, arith_train, arith_dev (math: the tir mode),
+                                                   # mixed_train, mixed_dev (the mixed mode)
     load_dataset("nq_search/", split="test")       # a folder holding test.parquet (or .jsonl/.json/.csv)
     load_dataset("nq_search/train.parquet")        # Search-R1 parquet
     load_dataset("simpleqa_verified.csv")          # SimpleQA-verified
@@ -120,7 +121,7 @@ def load_dataset(path_or_name: str | Path, split: str | None = None, limit: int 
     """Reads a dataset into QAExamples (see the module doc for the sources).
 
     `split`: for "world" ("dev" default, or "train"), "world-large" ("dev" default, "train",
-    "ood", "arith_train", "arith_dev"), for folders (<folder>/<split>.<ext>) and
+    "ood", "arith_train", "arith_dev", "mixed_train", "mixed_dev"), for folders (<folder>/<split>.<ext>) and
     for "tfds:NAME" (a split in the name wins). `limit`: keep the first `limit` examples.
     Raises FileNotFoundError for a missing path, DatasetError (a ValueError) for unreadable
     files, unknown layouts and duplicate ids, ImportError for tfds: without its extra.

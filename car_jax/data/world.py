@@ -8,7 +8,8 @@
 Worlds (`name=` of the functions above):
     "world"        the small one: package data written by `car_jax.data.world_gen`
     "world-large"  `car_jax.data.world_large`: generated on first use into the car_jax cache;
-                   its files are corpus, train, dev, ood, arith_train, arith_dev
+                   its files are corpus, train, dev, ood, arith_train, arith_dev,
+                   mixed_train, mixed_dev
 """
 from __future__ import annotations
 

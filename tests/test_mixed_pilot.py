@@ -2,20 +2,18 @@
 whose cells, per-tool parts and Welch tests are re-derived from the per-example files (numpy,
 sklearn and scipy, the bootstrap from the same resample indices), and its config keys."""
 import json
-import types
 
 import numpy as np
 import pytest
 import scipy.stats
 
-import car_jax.eval.job as job
 import car_jax.eval.runner as ev
 from car_jax.config import load_config
 from car_jax.data import TEMPLATES, QAExample, load_dataset
 from car_jax.eval import pilot
 from car_jax.rollout.protocols import Mixed
 from car_jax.rollout.episode import Trajectory
-from tests.test_pilot import _bootstrap, _numpy_metrics, cache  # noqa: F401 - cache: the car_jax cache fixture
+from tests.test_pilot import _bootstrap, _fake_models, _numpy_metrics, cache  # noqa: F401 - cache: the car_jax cache fixture
 
 N = 12
 RULES = {  # setting -> (is example i answered right, its confidence 0..100); both parts get both classes
@@ -52,11 +50,7 @@ def _script(examples):
 
 def test_scripted_mixed_cells_and_parts_rederived(cache, tmp_path, monkeypatch):
     examples = load_dataset("world-large", split="mixed_dev", limit=N)
-    fake, calls = _script(examples)
-    monkeypatch.setattr(ev, "run_episodes", fake)
-    monkeypatch.setattr(job, "load_eval_model", lambda cfg, mesh=None: (
-        types.SimpleNamespace(mesh=None, tag="rl" if cfg.path.endswith("rl") else "base"), None, cfg.path))
-    (tmp_path / "rl").mkdir()
+    calls = _fake_models(monkeypatch, tmp_path, *_script(examples))
     cfg = load_config(pilot.PilotConfig, None, [
         "kinds=[mixed]", "model.path=base", f"mixed_checkpoint={tmp_path / 'rl'}", f"mixed_data.limit={N}",
         "tools.retriever=world", "batch_size=5", "n_boot=50", "seed=3", f"out={tmp_path / 'pilot'}"])

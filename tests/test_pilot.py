@@ -113,14 +113,21 @@ def _bootstrap(c, q, n_boot, seed):
     return {name: (lo[i], hi[i]) for i, name in enumerate(pilot.METRICS)}
 
 
-def test_scripted_pilot_numbers_rederived(cache, tmp_path, monkeypatch):
-    examples = {"evidence": load_dataset("world-large", split="dev", limit=N),
-                "verification": load_dataset("world-large", split="arith_dev", limit=N)}
-    fake, calls = _script(examples)
+def _fake_models(monkeypatch, tmp_path, fake, calls):
+    """Episodes from `fake` (a scripted run_episodes) and models that are only tags ("rl"
+    for a path ending in rl, else "base"); makes the rl checkpoint folder tmp_path/rl.
+    Returns `calls`."""
     monkeypatch.setattr(ev, "run_episodes", fake)
     monkeypatch.setattr(job, "load_eval_model", lambda cfg, mesh=None: (
         types.SimpleNamespace(mesh=None, tag="rl" if cfg.path.endswith("rl") else "base"), None, cfg.path))
     (tmp_path / "rl").mkdir()
+    return calls
+
+
+def test_scripted_pilot_numbers_rederived(cache, tmp_path, monkeypatch):
+    examples = {"evidence": load_dataset("world-large", split="dev", limit=N),
+                "verification": load_dataset("world-large", split="arith_dev", limit=N)}
+    calls = _fake_models(monkeypatch, tmp_path, *_script(examples))
     cfg = load_config(pilot.PilotConfig, None, [
         "model.path=base", f"checkpoint={tmp_path / 'rl'}", f"evidence_data.limit={N}", f"verification_data.limit={N}",
         "tools.retriever=world", "batch_size=5", "n_boot=200", "seed=3", f"out={tmp_path / 'pilot'}"])

@@ -53,7 +53,7 @@ def _eval_config(model_path: str, questions: int, out_dir: Path):
     model = [f"model.path={model_path}"] if model_path else []  # an empty override reads as null
     return load_config(EvalConfig, None, [
         *model, "data.path=world", "data.split=dev", f"data.limit={questions}", "mode=search",
-        "episode.max_turns=2", "episode.max_response_tokens=64", "episode.max_obs_tokens=256",
+        "episode.max_turns=1", "episode.max_response_tokens=64", "episode.max_obs_tokens=192",
         f"output.dir={out_dir}", "output.resume=true", "output.n_boot=200"])
 
 
@@ -63,9 +63,9 @@ def _train_config(args, out: Path):
 
     return load_config(TrainConfig, None, [
         f"run.dir={out / 'train'}", f"rl.steps={args.rl_steps}", "rl.prompts_per_step=2", "rollout.group_size=4",
-        "rollout.max_turns=2", "rollout.max_response_tokens=64", "rollout.max_obs_tokens=256",
+        "rollout.max_turns=1", "rollout.max_response_tokens=64", "rollout.max_obs_tokens=192",
         "rl.optim.lr=2e-6", "rl.micro_batch=4", "data.limit=64", "sft.data=world",
-        f"sft.steps={args.sft_steps}", "sft.batch=4", "sft.lr=1e-4", "mesh.devices=1",
+        f"sft.steps={args.sft_steps}", "sft.batch=2", "sft.lr=1e-4", "mesh.devices=1",
         "model.remat=true"])  # recompute layers in the backward pass: a few GB instead of ~15
 
 

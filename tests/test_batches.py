@@ -195,11 +195,13 @@ def test_scorer_leaves_dropped_rows_out_of_the_group_statistics(on_mesh):
 def test_reference_logprobs_stay_on_the_device_in_row_order():
     """chunked_logprobs of the device batch, on one device and on the mesh: a device array
     (on the mesh in the rows' sharding) whose row i holds the log-probs of trajectory i's
-    response, as the plain forward over its full sequence gives them."""
+    response, as the plain forward over its full sequence gives them. The plain forward
+    runs jitted, once over all 8 sequences, each flush left and followed by zeros that
+    causal attention keeps out of every earlier position (one compile, not one per length)."""
     cfg = ModelConfig("qwen2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                       mlp_dim=64, qkv_bias=True)
     module = Decoder(cfg)
-    params = module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.jit(module.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]  # one compile
     trajs, host = make_host(n=8)
     order = np.random.default_rng(2).permutation(8)  # the plan's rows need not be in row order
     fn = make_logprob_fn(module, 0.8)
@@ -209,10 +211,15 @@ def test_reference_logprobs_stay_on_the_device_in_row_order():
                                mesh)
     assert isinstance(sharded, jax.Array) and sharded.shape == host.tokens.shape
     assert sharded.sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 2)
+    seqs = [np.concatenate([t.prompt_ids, t.response_ids]) for t in trajs]
+    flush_left = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, seq in enumerate(seqs):
+        flush_left[i, :len(seq)] = seq
+    plain = jax.jit(lambda p, tokens: token_logprobs(module, p, tokens, temperature=0.8)[0])
+    forward = np.asarray(plain(params, jnp.asarray(flush_left)))
     for i, t in enumerate(trajs):
-        seq = np.concatenate([t.prompt_ids, t.response_ids])[None]
-        want = np.asarray(token_logprobs(module, params, jnp.asarray(seq), temperature=0.8)[0])[0, len(t.prompt_ids):]
         r = len(t.response_ids)
+        want = forward[i, len(t.prompt_ids):len(t.prompt_ids) + r]
         np.testing.assert_allclose(np.asarray(single)[i, :r], want, atol=1e-5)
         np.testing.assert_allclose(np.asarray(sharded)[i, :r], want, atol=1e-5)
 

@@ -23,7 +23,7 @@ def test_grpo_lifts_reward_on_a_toy_task():
     cfg = ModelConfig("llama", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                       mlp_dim=64)
     module = Decoder(cfg)
-    params = module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.jit(module.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]  # one compile
     opt = make_optimizer(OptimConfig(lr=1e-2, total_steps=100, weight_decay=0.0))
     state = init_state(params, opt)
     step_fn = make_train_step(module, opt, grpo.LossConfig(kl_coef=0.0), temperature=1.0)

@@ -6,6 +6,8 @@ import transformers
 import car_jax
 from car_jax.assets import smollm2_gguf
 from car_jax.checkpoints.gguf_io import unpermute_rows
+from car_jax.models.api import Model
+from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN
 
 TEXTS = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -47,10 +49,12 @@ def test_gguf_logits_match_transformers_gguf_loading(reference, smollm2_hf):
     import torch
     with torch.no_grad():
         ref = ref_model(torch.as_tensor(tokens)).logits.float().numpy()
-    direct = np.asarray(car_jax.load_model(smollm2_gguf()).logits(tokens))
+    model = car_jax.load_model(smollm2_gguf())
+    direct = np.asarray(model.logits(tokens))
     assert np.abs(direct - ref).max() <= 1e-3
-    # the plain (accelerator) policy computes the same logits as the backend's
-    plain = np.asarray(car_jax.load_model(smollm2_gguf(), policy=PLAIN).logits(tokens))
+    # the plain (accelerator) policy computes the same logits as the backend's, from the same
+    # params (loading the GGUF a second time would read and dequantize the same bytes again)
+    plain = np.asarray(Model(model.config, model.params, Decoder(model.config, policy=PLAIN)).logits(tokens))
     assert np.abs(plain - direct).max() <= 1e-4
     # the converted HF folder gives the same logits, in car_jax and in transformers
     via_hf = np.asarray(car_jax.load_model(smollm2_hf).logits(tokens))

@@ -1,13 +1,18 @@
 """configs/: every YAML loads into TrainConfig (a stale key fails here), the paper configs hold
 Search-R1's recipe, the batch sizes divide as the training loop demands, tiny_test.yaml trains
-end to end. The tpu_scripts are tested in test_tpu_scripts.py."""
+end to end, and the same run stopped after step 1 and resumed gives the same metrics as the
+straight run. The tpu_scripts are tested in test_tpu_scripts.py."""
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
 
 from car_jax.config import load_config
 from car_jax.train.config import TrainConfig
+from car_jax.train.log import read_metrics
+from car_jax.train.trainer import train
+from tests.hf_factory import build_agent
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -104,20 +109,52 @@ def test_eval_configs_load():
     assert example.episode.sampler.greedy and example.tools.code_timeout_s == 10.0
 
 
-def test_tiny_config_trains(tmp_path):
-    from car_jax.assets import smollm2_gguf
-    from car_jax.models.api import load_tokenizer
-    from car_jax.train.log import read_metrics
-    from car_jax.train.trainer import train
-    from tests.hf_factory import build
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return build_agent(tmp_path_factory.mktemp("tiny_policy"), hidden_size=32)
 
-    folder = tmp_path / "tiny"
-    build("llama", folder, vocab_size=49152, hidden_size=32)
-    load_tokenizer(smollm2_gguf()).save_pretrained(str(folder))
-    run = tmp_path / "run"
-    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_test.yaml", [f"model.path={folder}", f"run.dir={run}"])
-    rows = train(cfg)
-    assert [r["step"] for r in rows] == [1, 2]
-    assert [r["step"] for r in read_metrics(run)] == [1, 2]
-    assert (run / "hf" / "config.json").is_file() and (run / "sft").is_dir()
 
+def tiny_config(folder, run_dir, *overrides):
+    """tiny_test.yaml on the tiny policy (one device: the sharded step is checked in
+    test_train_step and test_multihost), with an entropy bonus: the random policy's rewards
+    are all equal (no format), so without one the GRPO steps barely move it (a KL of ~3e-8 at
+    step 2, below the resume comparison's abs 1e-7); with it the loss, the gradient and the KL
+    to the SFT reference are well away from 0."""
+    return load_config(TrainConfig, ROOT / "configs" / "tiny_test.yaml",
+                       [f"model.path={folder}", f"run.dir={run_dir}", "rl.loss.entropy_coef=0.01", *overrides])
+
+
+def test_tiny_config_trains_and_resumes_like_a_straight_run(tiny_folder, tmp_path):
+    """tiny_test.yaml through every stage of a run (the SFT warm start, GRPO steps with the
+    search tool and the KL term, checkpoints, metrics, the HF export); then the same run
+    stopped after step 1 and resumed equals it, step by step (the KL reference is the SFT
+    result in both)."""
+    straight_dir, stopped_dir = tmp_path / "a", tmp_path / "b"
+    cfg = tiny_config(tiny_folder, straight_dir)
+    assert cfg.sft.steps and cfg.rl.loss.kl_coef and cfg.rl.steps >= 2 and cfg.mesh.devices == 1
+    steps = list(range(1, cfg.rl.steps + 1))
+    straight = train(cfg)
+    assert [r["step"] for r in straight] == steps and [r["step"] for r in read_metrics(straight_dir)] == steps
+    assert (straight_dir / "hf" / "config.json").is_file() and (straight_dir / "sft").is_dir()
+
+    # the stopped run starts from the straight run's saved warm start (dir/warm_start, what a
+    # run stopped right after its SFT reads back) instead of training the same SFT step again:
+    # both runs then read the reference from the saved file, the straight one holds it in memory
+    shutil.copytree(straight_dir / "warm_start", stopped_dir / "warm_start")
+    first = train(tiny_config(tiny_folder, stopped_dir, "rl.steps=1"))  # the lr schedule is rl.optim's
+    assert [r["step"] for r in first] == [1]
+    resumed = train(tiny_config(tiny_folder, stopped_dir))
+    assert [r["step"] for r in resumed] == steps[1:]  # picked up after step 1
+    # every metric but the wall-clock ones (times, and the rates divided by them) and the
+    # engine's scheduling ones (rollout/: they depend on when tool results come back)
+    keys = [k for k in straight[0] if not k.startswith(("time/", "perf/", "rollout/")) and k != "tokens_per_s"]
+    for a, b in zip(straight, first + resumed, strict=True):
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7, nan_ok=True), (a["step"], k)
+    # the metrics file of the resumed run holds each step once
+    assert [r["step"] for r in read_metrics(stopped_dir)] == steps
+    # training moved the policy: some loss signal was there
+    assert any(abs(r["grad_norm"]) > 0 for r in straight)
+    # the policy left the reference: the KL compared above is well above the comparison's abs 1e-7
+    assert straight[-1]["kl"] > 1e-5
+    shutil.rmtree(tmp_path)

@@ -6,9 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from car_jax.assets import smollm2_gguf
 from car_jax.eval import gate
-from tests.hf_factory import build
+from tests.hf_factory import build_agent
 
 
 def _rec(i, correct, q, calls=0):
@@ -74,9 +73,10 @@ def test_bad_tau_and_mismatched_records_are_named():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_gate_llama")
-    build("llama", folder, vocab_size=49152)
-    return folder
+    """A tiny random llama with SmolLM2's tokenizer saved beside it (read from the folder in
+    each of the CLI's evaluations, not parsed from the GGUF file again; `model.tokenizer` is
+    tested in test_eval)."""
+    return build_agent(tmp_path_factory.mktemp("tiny_gate_llama"))
 
 
 def _lines(path):
@@ -88,7 +88,7 @@ def test_cli_gate_on_a_tiny_model(tiny, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("CAR_JAX_CACHE", str(tmp_path / "cache"))  # the default world index
     out = tmp_path / "gate"
-    argv = ["eval", "--gate", "0.5", f"model.path={tiny}", f"model.tokenizer={smollm2_gguf()}", "data.limit=4",
+    argv = ["eval", "--gate", "0.5", f"model.path={tiny}", "data.limit=4",
             "batch_size=4", "episode.max_turns=1", "episode.max_response_tokens=6", "episode.max_obs_tokens=16",
             "output.n_boot=20", f"output.dir={out}"]
     assert cli.main(argv) == 0

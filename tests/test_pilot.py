@@ -13,12 +13,11 @@ from sklearn.metrics import roc_auc_score
 
 import car_jax.eval.job as job
 import car_jax.eval.runner as ev
-from car_jax.assets import smollm2_gguf
 from car_jax.config import ConfigError, load_config
 from car_jax.data import TEMPLATES, load_dataset
 from car_jax.eval import pilot
 from car_jax.rollout.episode import Trajectory
-from tests.hf_factory import build
+from tests.hf_factory import build_agent
 
 
 @pytest.fixture(scope="module")
@@ -193,10 +192,9 @@ def test_cli_on_a_tiny_model(cache, tmp_path, capsys):
     tiny model's own folder stands in for the RL checkpoint."""
     from car_jax import cli
 
-    folder = tmp_path / "tiny"
-    build("llama", folder, vocab_size=49152)
+    folder = build_agent(tmp_path / "tiny")  # the tokenizer saved beside it: each cell reads it from there
     out = tmp_path / "pilot"
-    argv = ["pilot", f"model.path={folder}", f"model.tokenizer={smollm2_gguf()}", "kinds=[evidence]",
+    argv = ["pilot", f"model.path={folder}", "kinds=[evidence]",
             "evidence_data.limit=2", "batch_size=2", "episode.max_turns=1", "episode.max_response_tokens=6",
             "episode.max_obs_tokens=16", "n_boot=20", f"out={out}", "--checkpoint", str(folder)]
     assert cli.main(argv) == 0

@@ -47,14 +47,17 @@ def read_run(out):
 
 
 def test_two_processes_eval_like_one_and_like_no_mesh(varied_folder, tmp_path):
+    from car_jax.cli import main
+
     one, two, plain = tmp_path / "1x8", tmp_path / "2x4", tmp_path / "no_mesh"
-    succeeded(launch(eval_args(varied_folder, one, "mesh.devices=0"), processes=1, devices=8))
+    # 1 process x 8 devices, and the no-mesh eval: this test's own process (8 CPU devices)
+    assert main(eval_args(varied_folder, one, "mesh.devices=0")) == 0
     results = launch(eval_args(varied_folder, two, "mesh.devices=0"), processes=2, devices=4)
     succeeded(results)
     # the default: one device, no mesh, no padding. One batch of 6 rows: batches of 5 and 1
     # would compile the decode loop for two batch sizes; greedy text does not depend on
     # how the questions are batched
-    succeeded(launch(eval_args(varied_folder, plain, batch_size=N_EXAMPLES), processes=1, devices=8))
+    assert main(eval_args(varied_folder, plain, batch_size=N_EXAMPLES)) == 0
 
     summary, counts, samples = read_run(one)
     ids = [s["id"] for s in samples]

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import car_jax
-from car_jax.assets import smollm2_gguf
 from car_jax.calibration import parsing
 from car_jax.config import load_config
 from car_jax.data import TEMPLATES, load_dataset
@@ -23,7 +22,7 @@ from car_jax.rollout.protocols import ANSWER, INVALID, TIR, Action, Mixed, Searc
 from car_jax.rollout.stops import matches
 from car_jax.rollout.toolbox import ToolsConfig, open_tools, tool_names
 from car_jax.train.config import TrainConfig
-from tests.hf_factory import build, build_agent
+from tests.hf_factory import build_agent
 from tests.test_pilot import cache  # noqa: F401 - the module-wide car_jax cache fixture
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -115,10 +114,16 @@ def _single_question():
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    build("llama", folder, vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    return car_jax.load_model(folder), car_jax.load_tokenizer(smollm2_gguf())
+def agent(tmp_path_factory):
+    """A tiny random llama with SmolLM2's tokenizer saved beside it: the episodes' model and
+    the training run's starting policy."""
+    return build_agent(tmp_path_factory.mktemp("tiny_llama"), hidden_size=64, num_attention_heads=4,
+                       num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def setup(agent):
+    return car_jax.load_model(agent), car_jax.load_tokenizer(agent)
 
 
 def test_one_episode_calls_both_tools(setup, cache):
@@ -175,13 +180,12 @@ def test_malformed_and_unknown_calls_get_observations(setup):
 
 
 # ---------------------------------------------------------------- a tiny training run
-def test_tiny_mixed_training_run(cache, tmp_path, monkeypatch):
+def test_tiny_mixed_training_run(agent, cache, tmp_path, monkeypatch):
     """configs/smollm2_mixed_cpu.yaml shrunk onto a tiny random policy: the SFT warm start on
-    both tools' demonstrations, then 2 GRPO steps whose episodes call both tools (a scripted
+    both tools' demonstrations, then a GRPO step whose episodes call both tools (a scripted
     parse routes them, as a random policy writes no tags)."""
     import car_jax.train.trainer as trainer_mod
 
-    folder = build_agent(tmp_path / "tiny", hidden_size=32)
     demos_seen, real = [], trainer_mod.mixed_demos
 
     def spy(examples, tools, **kw):
@@ -192,9 +196,9 @@ def test_tiny_mixed_training_run(cache, tmp_path, monkeypatch):
     routes = itertools.cycle([f"<search> {QUESTION} </search>", "```python\nprint(2 + 2)\n```"])
     monkeypatch.setitem(protocols.PROTOCOLS, "mixed", (lambda: _Routed(routes=routes), "mixed"))
     cfg = load_config(TrainConfig, ROOT / "configs" / "smollm2_mixed_cpu.yaml", [
-        f"model.path={folder}", f"run.dir={tmp_path / 'run'}", "data.limit=4", "rollout.group_size=2",
+        f"model.path={agent}", f"run.dir={tmp_path / 'run'}", "data.limit=4", "rollout.group_size=2",
         "rollout.max_turns=1", "rollout.max_response_tokens=6", "rollout.max_obs_tokens=16", "sft.steps=1",
-        "sft.batch=2", "rl.steps=2", "rl.optim.total_steps=2", "rl.micro_batch=2", "run.checkpoint_every=1",
+        "sft.batch=2", "rl.steps=1", "rl.optim.total_steps=1", "rl.micro_batch=2", "run.checkpoint_every=1",
         "run.tensorboard=false", "run.export_hf=false", "model.remat=false"])
     assert (cfg.rollout.protocol, cfg.data.template, cfg.data.train_split) == ("mixed", "mixed", "mixed_train")
     trainer = trainer_mod.Trainer(cfg)
@@ -202,7 +206,7 @@ def test_tiny_mixed_training_run(cache, tmp_path, monkeypatch):
     for name, tool in list(trainer.s.toolbox.tools.items()):
         trainer.s.toolbox.tools[name] = _counted(tool, name, calls)
     rows = trainer.run()
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1]
     assert all(np.isfinite(r["loss"]) and r["tool_calls"] == 1.0 for r in rows)  # one tool turn each
     assert calls["search"] > 0 and calls["code"] > 0
     # the warm start saw a demonstration of each kind, each valid under the reward's parser

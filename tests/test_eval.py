@@ -9,11 +9,11 @@ import pytest
 
 import car_jax
 import car_jax.eval.runner as ev
-from car_jax.assets import smollm2_gguf
 from car_jax.calibration import metrics
 from car_jax.data import QAExample, load_dataset, world_retriever
 from car_jax.rollout.episode import Trajectory
 from tests.hf_factory import build
+from tests.truncated import smollm2_short  # noqa: F401 (a fixture)
 
 FIELDS = {"id": str, "question": str, "golden_answers": list, "response": str, "confidence": float,
           "correct": bool, "format_ok": bool, "n_turns": int, "n_tool_calls": int}
@@ -180,13 +180,16 @@ def test_summarize_minimal_rows(tmp_path):
 
 # ---------------------------------------------------------------- real episodes
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, smollm2_short):
+    """A tiny random llama with SmolLM2's vocabulary, and SmolLM2's tokenizer from the cut
+    folder (its tokenizer files are the converted GGUF's; parsing the GGUF again for them
+    would cost seconds)."""
     folder = tmp_path_factory.mktemp("tiny_eval_llama")
     build("llama", folder, vocab_size=49152)
-    return folder, car_jax.load_model(folder), car_jax.load_tokenizer(smollm2_gguf())
+    return folder, car_jax.load_model(folder), car_jax.load_tokenizer(smollm2_short)
 
 
-def test_tiny_model_search_then_cli_resume(tiny, tmp_path, monkeypatch, capsys):
+def test_tiny_model_search_then_cli_resume(tiny, smollm2_short, tmp_path, monkeypatch, capsys):
     """3 world questions through the Python API, then `car-jax eval output.resume=true` over 6: only the
     3 new ones run (same shapes, so the CLI reuses the compiled decode loop)."""
     from car_jax import cli
@@ -203,7 +206,7 @@ def test_tiny_model_search_then_cli_resume(tiny, tmp_path, monkeypatch, capsys):
     finally:
         retriever.close()
     assert first["run"]["new_examples"] == 3 and len(_lines(out / "samples.jsonl")) == 3
-    argv = ["eval", f"model.path={folder}", f"model.tokenizer={smollm2_gguf()}", "mode=search",
+    argv = ["eval", f"model.path={folder}", f"model.tokenizer={smollm2_short}", "mode=search",
             "data.limit=6", "batch_size=3", "episode.max_turns=1", "episode.max_response_tokens=8",
             "episode.max_obs_tokens=32", "output.n_boot=50", f"output.dir={out}", "output.resume=true"]
     assert cli.main(argv) == 0
@@ -224,9 +227,11 @@ def test_tiny_model_search_then_cli_resume(tiny, tmp_path, monkeypatch, capsys):
         cli.main(["eval", f"model.path={tmp_path / 'missing'}", f"output.dir={tmp_path / 'o2'}"])
 
 
-def test_embedded_smollm2_direct(smollm2_hf, tmp_path):
-    """End to end with the real embedded model on 8 dev questions (weak model: no accuracy bar)."""
-    model, tok = car_jax.load_model(smollm2_hf), car_jax.load_tokenizer(smollm2_hf)
+def test_smollm2_direct(smollm2_short, tmp_path):
+    """Direct mode end to end on 8 dev questions with the embedded model's tokenizer, chat
+    template and weights, cut to two of its layers (tests/truncated.py): the eval loop is the
+    same at any depth, and the cut model writes text too (no accuracy bar: it cannot answer)."""
+    model, tok = car_jax.load_model(smollm2_short), car_jax.load_tokenizer(smollm2_short)
     cfg = dataclasses.replace(ev.EVAL_EPISODE, max_response_tokens=32)
     examples = load_dataset("world", limit=8)
     summary = ev.evaluate(model, tok, examples, mode="direct", episode_config=cfg, out_dir=tmp_path,

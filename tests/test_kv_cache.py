@@ -17,6 +17,15 @@ def leaves(cache):
     return jax.tree.leaves((cache.k, cache.v))
 
 
+def full_logits(model, seqs, width: int = 12) -> np.ndarray:
+    """float32[B, width, V]: each row's causal logits from position 0, no cache, the rows
+    right-padded in one batch (a causal row's logits do not depend on what follows it)."""
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for b, s in enumerate(seqs):
+        tokens[b, :len(s)] = s
+    return np.asarray(model.logits(tokens))
+
+
 @POLICIES
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama"])
 def test_prefill_then_decode_equals_full_forward(name, policy, tmp_path):
@@ -32,7 +41,7 @@ def test_prefill_then_decode_equals_full_forward(name, policy, tmp_path):
         tokens[b, width - len(s):] = s
         valid[b, width - len(s):] = True
 
-    k = 5  # prefill the first k columns, then one column per step
+    k = 5  # prefill the first k columns, then one column per step (the chunk shapes the tests below reuse)
     cache = model.init_cache(3, 16)
     logits, cache = model.forward(jnp.asarray(tokens[:, :k]), jnp.asarray(valid[:, :k]), cache)
     steps = [np.asarray(logits)]
@@ -43,27 +52,31 @@ def test_prefill_then_decode_equals_full_forward(name, policy, tmp_path):
 
     assert int(cache.index) == width
     np.testing.assert_array_equal(np.asarray(cache.next_pos), lengths)
+    full = full_logits(model, seqs)
     for b, s in enumerate(seqs):
-        full = np.asarray(model.logits(s[None]))[0]  # the row alone, unpadded
         got = cached[b, width - len(s):]
-        assert np.abs(got - full).max() <= 1e-5
+        assert np.abs(got - full[b, :len(s)]).max() <= 1e-5
 
 
 @POLICIES
 def test_holes_in_the_cache_do_not_shift_positions(policy, tmp_path):
-    """A chunk where one row has fewer real tokens (an observation shorter than the
-    chunk) leaves invalid slots; the row's later tokens see the same logits as without."""
+    """A chunk where rows have fewer real tokens (an observation shorter than the chunk)
+    leaves invalid slots, after, before or between a row's tokens; the rows' later tokens
+    see the same logits as without. The chunks are [3, 5] into a [3, 16] cache and the
+    reference a [3, 12] forward: the programs of the qwen2 case above."""
     build("qwen2", tmp_path)
     model = car_jax.load_model(tmp_path, policy=policy)
     rng = np.random.default_rng(1)
-    a, b, c = rng.integers(0, 96, size=4), rng.integers(0, 96, size=2), rng.integers(0, 96, size=3)
-    cache = model.init_cache(1, 32)
-    _, cache = model.forward(jnp.asarray(a[None]), None, cache)
-    chunk = np.concatenate([b, [0, 0, 0]])[None]  # 2 real tokens, 3 pad slots
-    _, cache = model.forward(jnp.asarray(chunk), jnp.asarray([[1, 1, 0, 0, 0]], bool), cache)
-    logits, cache = model.forward(jnp.asarray(c[None]), None, cache)
-    full = np.asarray(model.logits(np.concatenate([a, b, c])[None]))[0, -3:]
-    assert np.abs(np.asarray(logits)[0] - full).max() <= 1e-5
+    a, b, c = rng.integers(0, 96, size=(3, 5)), rng.integers(0, 96, size=(3, 5)), rng.integers(0, 96, size=(3, 5))
+    holes = np.array([[1, 1, 0, 0, 0], [0, 0, 0, 1, 1], [1, 0, 1, 0, 0]], bool)  # 2 real tokens a row, 3 pad slots
+    cache = model.init_cache(3, 16)
+    every = jnp.ones((3, 5), bool)  # (not None: the same program as the masked chunk)
+    _, cache = model.forward(jnp.asarray(a), every, cache)
+    _, cache = model.forward(jnp.asarray(np.where(holes, b, 0)), jnp.asarray(holes), cache)
+    logits, cache = model.forward(jnp.asarray(c), every, cache)
+    full = full_logits(model, [np.concatenate([a[r], b[r][holes[r]], c[r]]) for r in range(3)])
+    np.testing.assert_array_equal(np.asarray(cache.next_pos), [12, 12, 12])
+    assert np.abs(np.asarray(logits) - full[:, -5:]).max() <= 1e-5
 
 
 def test_overflow_is_refused(tmp_path):
@@ -74,61 +87,70 @@ def test_overflow_is_refused(tmp_path):
         model.forward(jnp.zeros((1, 5), jnp.int32), None, cache)
 
 
+# The decode tests' shapes: 3 rows, prompts left-padded to 16, a 200-slot cache, 60 sampled tokens
+ROWS, PROMPT, CAPACITY, STEPS = 3, 16, 200, 60
+
+
 @POLICIES
 def test_shared_prompt_prefill_equals_a_prefill_per_row(policy, tmp_path):
     """A GRPO batch repeats each prompt G times: prefill_shared runs the distinct ones and
     copies their cache rows. Logits, keys, values, valid slots and positions equal a
-    prefill of every row, and decoding on from either cache gives the same tokens."""
+    prefill of every row, and decoding on from either cache gives the same tokens. The
+    prefill of every row and the decode loop are the staged test's programs."""
     from car_jax.rollout.decode import decode_segment, prefill, prefill_shared
     from car_jax.rollout.generate import left_pad
     from car_jax.rollout.sampling import Sampler
     build("qwen2", tmp_path)
     model = car_jax.load_model(tmp_path, policy=policy)
     rng = np.random.default_rng(2)
-    prompts = [list(rng.integers(0, 96, size=n)) for n in (5, 9, 3)]
-    inverse = np.array([1, 0, 1, 2, 0, 1], np.int32)
+    prompts = [list(rng.integers(0, 96, size=n)) for n in (5, 9)]
+    inverse = np.array([1, 0, 1], np.int32)  # row -> its prompt: out of order, one repeated
     rows = [prompts[i] for i in inverse]
-    tokens, valid = left_pad(rows, 16, 0)
-    want_logits, want = prefill(model.module, model.params, model.init_cache(6, 24), jnp.asarray(tokens),
+    tokens, valid = left_pad(rows, PROMPT, 0)
+    want_logits, want = prefill(model.module, model.params, model.init_cache(ROWS, CAPACITY), jnp.asarray(tokens),
                                 jnp.asarray(valid))
-    tokens_u, valid_u = left_pad(prompts, 16, 0)
-    got_logits, got = prefill_shared(model.module, model.params, model.init_cache(6, 24), jnp.asarray(tokens_u),
-                                     jnp.asarray(valid_u), jnp.asarray(inverse))
+    tokens_u, valid_u = left_pad(prompts, PROMPT, 0)
+    got_logits, got = prefill_shared(model.module, model.params, model.init_cache(ROWS, CAPACITY),
+                                     jnp.asarray(tokens_u), jnp.asarray(valid_u), jnp.asarray(inverse))
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5)
     for a, b in zip(leaves(got), leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got.valid), np.asarray(want.valid))
     np.testing.assert_array_equal(np.asarray(got.next_pos), [len(r) for r in rows])
-    assert int(got.index) == int(want.index) == 16
+    assert int(got.index) == int(want.index) == PROMPT
     tables = jnp.zeros((1, 1, model.config.vocab_size), jnp.int32)  # one automaton that never fires
-    outs = [decode_segment(model.module, Sampler(), 8, model.params, c, lg, jnp.ones(6, bool),
-                           jnp.zeros((0,), jnp.int32), tables, jax.random.key(0))[0]
+    no_eos = jnp.asarray([-1], jnp.int32)
+    outs = [decode_segment(model.module, Sampler(1.0), STEPS, model.params, c, lg, jnp.ones(ROWS, bool), no_eos,
+                           tables, jax.random.key(0), windows=())[0]  # as the staged test passes it
             for c, lg in ((got, got_logits), (want, want_logits))]
+    np.testing.assert_array_equal(np.asarray(outs[1].length), STEPS)
     np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+    np.testing.assert_allclose(np.asarray(outs[0].logp), np.asarray(outs[1].logp), atol=1e-5)  # logits to 1e-5
 
 
 @POLICIES
 def test_staged_windowed_decode_equals_decode_over_the_whole_cache(policy, tmp_path):
     """decode_segment(windows=...) samples in stages over the first W_j slots only and
     writes them back: sampled tokens, their log-probs and the returned cache equal one
-    decode over all S slots, for one window and for several stages (rows that stop
-    early, and rows that take no part, included)."""
+    decode over all S slots, over several stages (rows that stop early, and rows that take
+    no part, included). The stages run every step a single window short of S runs (take
+    the first slots, loop, write them back), and each stage more is one more compile."""
     from car_jax.rollout.decode import decode_segment, prefill
     from car_jax.rollout.generate import decode_windows, left_pad
     from car_jax.rollout.sampling import Sampler
     build("qwen2", tmp_path)
     model = car_jax.load_model(tmp_path, policy=policy)
     rng = np.random.default_rng(3)
-    tokens, valid = left_pad([list(rng.integers(0, 96, size=n)) for n in (7, 12, 3)], 16, 0)
-    capacity, steps = 200, 60
+    tokens, valid = left_pad([list(rng.integers(0, 96, size=n)) for n in (7, 12, 3)], PROMPT, 0)
+    capacity, steps = CAPACITY, STEPS
     staged = decode_windows(16, steps, capacity)
     assert staged == (64, 96)  # slots 17..64, then 65..76 (the 96 bucket), well short of 200
     # with this seed, under each policy's draw: row 0 stops in the first stage, row 1 does not
     eos = jnp.asarray([40 if policy is XLA_CPU else 42], jnp.int32)
     tables = jnp.zeros((1, 1, model.config.vocab_size), jnp.int32)
     runs = []
-    for windows in ((), (96,), staged):
-        logits, cache = prefill(model.module, model.params, model.init_cache(3, capacity), jnp.asarray(tokens),
+    for windows in ((), staged):
+        logits, cache = prefill(model.module, model.params, model.init_cache(ROWS, capacity), jnp.asarray(tokens),
                                 jnp.asarray(valid))
         out, cache = decode_segment(model.module, Sampler(1.0), steps, model.params, cache, logits,
                                     jnp.asarray([True, True, False]), eos, tables, jax.random.key(5),

@@ -154,8 +154,10 @@ def test_kv_cache_is_sized_by_the_slots(setup, monkeypatch):
         return cache
 
     monkeypatch.setattr(type(model), "init_cache", spy)
-    sizes = {}
-    for n, max_concurrent in ((6, 4), (12, 4), (6, 0)):
+    sizes, narrowed = {}, 0
+    # 2 slots (1 decode row, 1 park row) and all at once: the row counts, capacity and
+    # sampler of test_slots_give_the_episodes_of_all_at_once[1.0], whose programs serve
+    for n, max_concurrent in ((6, 2), (12, 2), (6, 0)):
         made.clear()
         stats = EpisodeStats()
         trajs = _run(setup, 1.0, max_concurrent, prompts=(PROMPTS * 2)[:n], stats=stats, park_slots=1)
@@ -166,12 +168,14 @@ def test_kv_cache_is_sized_by_the_slots(setup, monkeypatch):
         widths = [stats.slots - park] + later
         assert all(v in (w >> 1, w >> 2, w >> 3) and v >= 1 for w, v in zip(widths, later)), widths
         assert len(later) == stats.narrowings
+        narrowed += len(later)
         sizes[n, max_concurrent] = sum(m[2] for m in made[:len(start)])
     # bytes of keys + values + valid + positions: rows x (L x 2 x K x H x S x 4 + S + 4) + index
     cfg = model.config
     per_row = lambda s: cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * s * 4 + s + 4  # noqa: E731
-    assert sizes[6, 4] == sizes[12, 4] == 4 * per_row(stats.capacity) + 2 * 4  # twice the episodes, the same cache
+    assert sizes[6, 2] == sizes[12, 2] == 2 * per_row(stats.capacity) + 2 * 4  # twice the episodes, the same cache
     assert sizes[6, 0] == 6 * per_row(stats.capacity) + 4
+    assert narrowed  # the tail allocated a narrower cache at least once (all at once: 6 rows -> fewer)
 
 
 def _numpy_packed(k, v, valid):

@@ -8,6 +8,9 @@ its own folder, run in order and skipped when already complete:
     <dir>/equivalence/{mscr,weighted_brier}/  the two runs of the equivalence check
     <dir>/progress.jsonl          one line per finished unit: name, seconds, time
 
+The order: the warm start and its evaluations, then seed by seed every arm's run, each
+followed by its evaluations, then the equivalence runs.
+
 A unit stopped half way (a kill, a crash, the end of a sitting) resumes where it stopped:
 training from its latest checkpoint (`run.resume`), evaluation from its samples file
 (`output.resume`). So `car-jax experiment` can be run again and again until every unit is
@@ -44,11 +47,6 @@ class Unit:
     config: object  # TrainConfig (warm, train, equivalence) or EvalConfig (eval)
 
 
-def policy_names(cfg: ExperimentConfig) -> list[str]:
-    """'warm' and one '<arm>-s<seed>' per run, in run order."""
-    return ["warm"] + [f"{arm}-s{seed}" for arm in cfg.arms for seed in cfg.seeds]
-
-
 def _train(cfg: ExperimentConfig, run_dir: Path, **changes) -> TrainConfig:
     """cfg.train with `changes` (sections replaced whole) and run.dir = run_dir."""
     out = dataclasses.replace(cfg.train, **changes)
@@ -76,20 +74,25 @@ def plan(cfg: ExperimentConfig) -> list[Unit]:
         sft=SFTConfig(data=str(warm_dir / "demos.jsonl"), steps=w.steps, batch=w.batch, lr=w.lr),
         run=dataclasses.replace(t.run, export_hf=True)))]
     warm_model = dataclasses.replace(t.model, path=str(warm_dir / "hf"))
-    for arm, reward in cfg.arms.items():
-        for seed in cfg.seeds:
+
+    def evals(policy: str, model: Path) -> list[Unit]:
+        return [Unit(f"eval/{policy}/{split}", "eval", root / "evals" / policy / split, EvalConfig(
+            seed=0, mode=EVAL_MODES[t.data.template], batch_size=cfg.eval.batch_size,
+            model=EvalModelConfig(path=str(model), dtype=t.model.dtype), data=data, tools=t.tools,
+            episode=cfg.eval.episode,
+            output=OutputConfig(dir=str(root / "evals" / policy / split), resume=True, n_boot=0)))
+            for split, data in cfg.eval.splits.items()]
+
+    # seed-major, each policy evaluated as soon as it is trained: an experiment stopped part
+    # way holds whole seeds of every arm, a balanced comparison, rather than all of one arm
+    units += evals("warm", warm_dir / "hf")
+    for seed in cfg.seeds:
+        for arm, reward in cfg.arms.items():
             d = root / "runs" / f"{arm}-s{seed}"
             units.append(Unit(f"train/{arm}-s{seed}", "train", d, _train(
                 cfg, d, seed=seed, reward=reward, model=warm_model, sft=SFTConfig(),
                 run=dataclasses.replace(t.run, export_hf=True))))
-    for policy in policy_names(cfg):
-        model = warm_dir / "hf" if policy == "warm" else root / "runs" / policy / "hf"
-        for split, data in cfg.eval.splits.items():
-            d = root / "evals" / policy / split
-            units.append(Unit(f"eval/{policy}/{split}", "eval", d, EvalConfig(
-                seed=0, mode=EVAL_MODES[t.data.template], batch_size=cfg.eval.batch_size,
-                model=EvalModelConfig(path=str(model), dtype=t.model.dtype), data=data, tools=t.tools,
-                episode=cfg.eval.episode, output=OutputConfig(dir=str(d), resume=True, n_boot=0))))
+            units += evals(f"{arm}-s{seed}", d / "hf")
     eq = cfg.equivalence
     if eq.steps:
         for name, reward in equivalence_rewards(eq.b, t.reward.format_penalty).items():

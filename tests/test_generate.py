@@ -7,45 +7,86 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import car_jax
-from car_jax.assets import smollm2_gguf
 from car_jax.models.policy import PLAIN, XLA_CPU
 from car_jax.rollout.generate import generate, generate_ids
 from car_jax.rollout.sampling import Sampler, truncate
 from car_jax.rollout.stops import STOP, Balanced, matches, stop_tables, token_texts
 from tests.hf_factory import StubTokenizer, build, qwen_tokenizer
+from tests.truncated import smollm2_short  # noqa: F401 (a fixture)
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",
            "Write one short sentence about the ocean and the moon at night, please.", "Hi"]
 
 
-@pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
-def test_greedy_equals_transformers_generate(smollm2_hf, policy):
-    import torch
-    import transformers
-    model = car_jax.load_model(smollm2_hf, policy=policy)
-    tok = car_jax.load_tokenizer(smollm2_hf)
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                     add_generation_prompt=True) for p in PROMPTS]
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    assert len({len(i) for i in ids}) == 4  # four different prompt lengths
-    ours = generate_ids(model, tok, ids, max_new_tokens=32)
+def _chat_ids(tok, prompts):
+    """The chat-templated prompts, as text and as token ids."""
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in prompts]
+    return texts, [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf).eval()
-    batch = tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+
+def _hf_greedy(hf, batch, max_new_tokens, eos, pad_id):
+    """transformers' greedy decoding of a left-padded batch -> (new tokens int[B, R], their
+    log-softmax float[B, R, V])."""
+    import torch
     with torch.no_grad():
-        ref = hf.generate(**batch, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id,
-                          eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))[:, batch["input_ids"].shape[1]:]
-    ref = ref.numpy()
+        out = hf.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id,
+                          eos_token_id=eos, output_scores=True, return_dict_in_generate=True)
+    logp = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)
+    return out.sequences[:, batch["input_ids"].shape[1]:].numpy(), logp.numpy()
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok(smollm2_hf):
+    """The embedded model's tokenizer as users load it: from its converted folder."""
+    return car_jax.load_tokenizer(smollm2_hf)
+
+
+@pytest.fixture(scope="module")
+def short_reference(smollm2_short, smollm2_tok):
+    """transformers' greedy decoding of PROMPTS (32 tokens, one left-padded batch) on the cut
+    SmolLM2 (tests/truncated.py), once for both policies: (tokenizer, prompt ids, EOS ids,
+    new tokens int[4, 32], their log-softmax float[4, 32, V])."""
+    import transformers
+    tok = smollm2_tok  # the cut folder holds the same tokenizer files
+    texts, ids = _chat_ids(tok, PROMPTS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_short).eval()
+    batch = tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    # the cut model never writes <|im_end|>; the EOS id is also the first token that row 0
+    # of transformers' free run writes (from step 4 on) and row 3 never does: row 0 then
+    # stops early, row 3 runs to the budget
+    free, _ = _hf_greedy(hf, batch, 32, [im_end], tok.pad_token_id)
+    stop_id = int(next(t for t in free[0, 4:] if t not in free[3]))
+    assert stop_id != tok.pad_token_id
+    eos = [stop_id, im_end]
+    return (tok, ids, eos, *_hf_greedy(hf, batch, 32, eos, tok.pad_token_id))
+
+
+@pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
+def test_greedy_equals_transformers_generate(smollm2_short, short_reference, policy):
+    """Greedy decoding of four prompts of different lengths in one left-padded batch, on the
+    real SmolLM2 weights cut to two layers (tests/truncated.py: depth adds nothing here but
+    compile time): the tokens are transformers' generate's, their recorded log-probs its
+    log-softmax, and rows stop at an EOS id where transformers' rows do, the rest running
+    to the budget. With the XLA:CPU policy the 32 steps run in two decode stages."""
+    tok, ids, eos, ref, ref_logp = short_reference
+    assert len({len(i) for i in ids}) == 4  # four different prompt lengths
+    model = car_jax.load_model(smollm2_short, policy=policy)
+    ours = generate_ids(model, tok, ids, max_new_tokens=32, eos=np.array(eos, np.int32))
+    assert ours.eos[0] and not ours.stopped[3] and int(ours.length[3]) == 32
     for b in range(4):
         n = int(ours.length[b])
         np.testing.assert_array_equal(ours.tokens[b, :n], ref[b, :n])
+        # float32 on both sides, two layers and a 49,152-way log-softmax: up to 5e-5 apart here
+        np.testing.assert_allclose(ours.logp[b, :n], ref_logp[b, np.arange(n), ref[b, :n]], atol=2e-4)
         if n < 32:  # we stopped at EOS: transformers did too, and only pads follow
             assert ours.eos[b] and (ref[b, n:] == tok.pad_token_id).all()
 
 
 @pytest.fixture(scope="module", params=["smollm2", "qwen"])
 def vocab(request):
-    tok = car_jax.load_tokenizer(smollm2_gguf()) if request.param == "smollm2" else qwen_tokenizer()
+    tok = request.getfixturevalue("smollm2_tok") if request.param == "smollm2" else qwen_tokenizer()
     patterns = ["</search>", "</answer>", ("```python", "```"), Balanced("\\boxed{")]
     return tok, token_texts(tok), stop_tables(tok, patterns), patterns
 
@@ -75,10 +116,10 @@ def test_stop_automaton_agrees_with_text_search(vocab, parts, split):
         assert fired_at == expected, (pattern, [texts[t] for t in ids])
 
 
-def test_stop_strings_end_generation(tmp_path):
+def test_stop_strings_end_generation(tmp_path, smollm2_tok):
     build("llama", tmp_path, vocab_size=49152)
     model = car_jax.load_model(tmp_path)
-    tok = car_jax.load_tokenizer(smollm2_gguf())
+    tok = smollm2_tok
     texts = token_texts(tok)
     kwargs = dict(max_new_tokens=40, sampler=Sampler(1.0), seed=3, eos=np.array([], np.int32))
     free = generate_ids(model, tok, [tok("hello")["input_ids"]], **kwargs).tokens[0]
@@ -193,12 +234,23 @@ def test_bad_sampler_settings_are_refused():
             Sampler(**kwargs)
 
 
-def test_generate_text_api(smollm2_hf):
+def test_generate_text_api(smollm2_hf, smollm2_tok):
+    """The API users call, on the whole embedded model (30 layers, the backend's policy): chat
+    messages in, text out, the answer right, and the text that of transformers' greedy
+    decoding of the same prompt up to <|im_end|>. 16 tokens: the answer and its EOS fit, and
+    the decode loop runs in one stage (the staged loop is compared on the cut model above)."""
+    import transformers
     model = car_jax.load_model(smollm2_hf)
-    tok = car_jax.load_tokenizer(smollm2_hf)
-    [text] = generate(model, tok, [[{"role": "user", "content": "What is the capital of France?"}]],
-                      max_new_tokens=24)
+    tok = smollm2_tok
+    question = "What is the capital of France?"
+    [text] = generate(model, tok, [[{"role": "user", "content": question}]], max_new_tokens=16)
     assert "Paris" in text
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf).eval()
+    texts, _ = _chat_ids(tok, [question])
+    batch = tok(texts, add_special_tokens=False, return_tensors="pt")
+    ref, _ = _hf_greedy(hf, batch, 16, tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]),
+                        tok.pad_token_id)
+    assert text == tok.decode(ref[0], skip_special_tokens=True)
 
 
 def test_balanced_stop_counts_nested_braces():

@@ -3,7 +3,8 @@ checked against the numbers they compute.
 
 The kernel is this interpreter (the venv's): a kernelspec written to a tmp dir, found through
 JUPYTER_PATH, runs `sys.executable -m ipykernel_launcher` with JAX_PLATFORMS=cpu. A cell
-appended to the in-memory notebook prints `SUMMARY` (built by the notebook) as JSON.
+appended to the in-memory notebook prints `SUMMARY` (built by the notebook), and any other
+notebook variable a test asks for, as JSON.
 """
 import json
 import sys
@@ -20,7 +21,7 @@ from tests.conftest import COMPILE_FLAGS
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 KERNEL = "car-jax-test"
-REPORT = "import json, sys\nprint(json.dumps({'prefix': sys.prefix, 'summary': SUMMARY}))"
+REPORT = "import json, sys\nprint(json.dumps({{'prefix': sys.prefix, 'summary': SUMMARY{extra}}}))"
 
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
@@ -59,8 +60,9 @@ def _eval_files(tmp_path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return {str(tmp_path / name): run for name, run in runs.items()}
 
 
-def _execute(path: Path, tmp_path: Path, monkeypatch, parameters: str):
-    """Runs the notebook with `parameters` appended to its parameters cell -> (nb, report)."""
+def _execute(path: Path, tmp_path: Path, monkeypatch, parameters: str, report: str = ""):
+    """Runs the notebook with `parameters` appended to its parameters cell -> (nb, report);
+    `report` adds entries (`, 'key': expression`) to the report's dict."""
     _write_kernelspec(tmp_path / "jupyter")
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     # connection files and IPython's profile in tmp too: HOME may be read-only in CI
@@ -69,7 +71,7 @@ def _execute(path: Path, tmp_path: Path, monkeypatch, parameters: str):
     nb = nbformat.read(path, as_version=4)
     (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     params.source += "\n" + parameters
-    nb.cells.append(nbformat.v4.new_code_cell(REPORT))
+    nb.cells.append(nbformat.v4.new_code_cell(REPORT.format(extra=report)))
     NotebookClient(nb, kernel_name=KERNEL, timeout=300,
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     (out,) = [o for o in nb.cells[-1].outputs if o.output_type == "stream"]
@@ -154,10 +156,13 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
     # the model conversion and the world index go to a tmp cache, not HOME
     monkeypatch.setenv("CAR_JAX_CACHE", str(tmp_path / "cache"))
     out_dir = tmp_path / "eval"
-    # 6 dev questions instead of the notebook's 12: every claim below holds for any number, and
-    # the calibration section is most of the notebook's run time
+    # One dev question, the episode's own (EXAMPLE = 0), instead of the notebook's 12 after
+    # question 1: every claim below holds for any number, and the calibration section then
+    # runs the episode's greedy trajectory again on the programs the episode compiled (each
+    # batch size compiles every decode window and prefill of the 30 layers anew: most of the
+    # notebook's run time).
     nb, report = _execute(NOTEBOOKS / "quickstart.ipynb", tmp_path, monkeypatch,
-                          f"OUT_DIR = {str(out_dir)!r}\nN_QUESTIONS = 6")
+                          f"OUT_DIR = {str(out_dir)!r}\nN_QUESTIONS = 1\nEXAMPLE = 0", ", 'episode_text': traj.text")
     assert report["prefix"] == sys.prefix
     s = report["summary"]
 
@@ -199,6 +204,8 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
     assert [r["correct"] for r in rows] == samples["correct"]
     assert [r["confidence"] for r in rows] == pytest.approx(samples["confidence"])
+    # evaluate() ran the same greedy episode as section 2's run_episodes
+    assert [r["response"] for r in rows] == [report["episode_text"]]
 
     # the prose's claims about the untrained model
     assert s["format_rate"] < 0.5  # most trajectories fail the format check

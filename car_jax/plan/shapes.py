@@ -38,8 +38,9 @@ class Shapes:
 
         The rollout holds every episode of a step at once (prompts_per_step x group_size
         rows) unless the config bounds it with `rollout.max_concurrent`. Its cache has the
-        prompt's width (a multiple of 16) plus every turn's sampling budget plus every tool
-        turn's pending token and observation, padded to a multiple of 16. (The episode
+        prompt's width (in the `length_bucket` sizes, as the engine pads it) plus every turn's
+        sampling budget plus every tool turn's pending token and observation, padded to a
+        multiple of 16. (The episode
         engine allocates the widest single write more, `engine.capacity`: 10% more slots
         on the paper config, not counted here yet.)"""
         if prompt_tokens < 1:
@@ -51,11 +52,11 @@ class Shapes:
         bound = getattr(r, "max_concurrent", None)  # a rollout field that may bound the rows held at once
         rollout_rows = min(step_rows, bound) if bound else step_rows
         obs_chunk = round_up(1 + r.max_obs_tokens)
-        capacity = round_up(prompt_tokens) + (r.max_turns + 1) * r.max_response_tokens + r.max_turns * obs_chunk
+        capacity = length_bucket(prompt_tokens, 16) + (r.max_turns + 1) * r.max_response_tokens + r.max_turns * obs_chunk
         return cls(prompt=length_bucket(prompt_tokens, 16), response=length_bucket(r.max_response_length, 16),
                    micro_batches=mini // micro, micro_rows=micro, step_rows=step_rows, rollout_rows=rollout_rows,
                    park_slots=r.park_slots, capacity=capacity,
-                   prefill_chunk=max(round_up(prompt_tokens), obs_chunk if r.max_turns else 0), fsdp=fsdp, tp=tp)
+                   prefill_chunk=max(length_bucket(prompt_tokens, 16), obs_chunk if r.max_turns else 0), fsdp=fsdp, tp=tp)
 
     @property
     def decode_rows(self) -> int:

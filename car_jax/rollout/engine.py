@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax import hosts
-from car_jax.rollout.generate import decode_windows, eos_ids, left_pad, prompt_texts, round_up
+from car_jax.rollout.generate import BUCKET, decode_windows, eos_ids, left_pad, length_bucket, prompt_texts, round_up
 from car_jax.rollout.protocols import ANSWER, VOID, Action
 from car_jax.rollout.schedule import Clock, Rows, pad_moves, split_rows
 from car_jax.rollout.slots import compact, decode_slots, move_rows, prefill_prompts_shared, prefill_rows
@@ -92,7 +92,10 @@ class Engine:
         self.p = self._local_count(n_park)
         self.min_b = max(1, self.b // 8)  # the tail narrows the decode rows down to an eighth
         self.pad = tokenizer.pad_token_id or 0
-        self.prompt_width = round_up(hosts.global_max(max(len(p) for p in ids)))
+        # the prompt width in coarse buckets (16, 24, 32, 48, 64, ..., 256, 384, ...): it sets
+        # the cache capacity, and every program that reads the cache compiles per capacity,
+        # so the steps of a run (and the batches of an evaluation) share their programs
+        self.prompt_width = length_bucket(hosts.global_max(max(len(p) for p in ids)), BUCKET)
         self.capacity = capacity(self.prompt_width, config)
         self.eos = jnp.asarray(eos_ids(model, tokenizer))
         stops, final = list(protocol.stops), list(protocol.final_stops)

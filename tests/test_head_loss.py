@@ -44,11 +44,17 @@ CONFIGS = [grpo.LossConfig(agg="token-mean", kl_coef=0.05, kl_type="low_var_kl",
 
 
 POLICIES = pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
+CHUNKS = [1, 3, 128]  # one position a chunk; 3 chunks with padding; one chunk
+# Every loss config at every chunking (the config's per-sequence weights meet the chunk
+# boundaries), each pair under one policy, alternating, so that each policy runs every config
+# and every chunking: the policy swaps only the head's vocabulary sums (`policy.row_sum`; in
+# float32 its transposes are the plain .T), which see the chunk's rows but not the loss config
+# (that only sets the per-token weights of the gradient the head receives).
+CASES = [(cfg, chunk, (PLAIN, XLA_CPU)[(i + j) % 2]) for i, cfg in enumerate(CONFIGS) for j, chunk in enumerate(CHUNKS)]
 
 
-@POLICIES
-@pytest.mark.parametrize("chunk", [1, 3, 128])  # one position a chunk; 3 chunks with padding; one chunk
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.agg}-{c.kl_type}-tis{c.tis_cap}")
+@pytest.mark.parametrize("cfg,chunk,policy", CASES,
+                         ids=[f"{c.agg}-{c.kl_type}-tis{c.tis_cap}-{n}-{p.name}" for c, n, p in CASES])
 def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk, policy):
     h, w, y, old, ref, adv, mask = inputs(jnp.float32)
     norm = grpo.norm_of(mask, cfg.horizon)

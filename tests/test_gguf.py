@@ -1,6 +1,11 @@
 """The embedded SmolLM2 GGUF: our dequantization + unpermutation equals transformers'."""
+import functools
+from unittest import mock
+
+import gguf
 import numpy as np
 import pytest
+import torch
 import transformers
 
 import car_jax
@@ -14,11 +19,28 @@ TEXTS = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start
          "The quick brown fox jumps over the lazy dog. </search>\n\n<answer>"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """torch's forwards on one thread: a 135M model over 32 tokens is a fraction of a second
+    of work, and its thread pool spinning on a busy machine costs several times that."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def reference():
+    """transformers' own GGUF loading of model and tokenizer. It parses the file's metadata
+    (the whole 49k-token vocabulary) with a new `gguf.GGUFReader` three times (tokenizer,
+    config, weights) and builds gguf's tensor-name table once per submodule; here both are
+    built once and shared (read-only), so transformers dequantizes and maps the same tensors
+    through the same code, once."""
     path = smollm2_gguf()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with mock.patch("gguf.GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader)), \
+            mock.patch("gguf.get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model, tok
 
 
@@ -46,7 +68,6 @@ def test_gguf_logits_match_transformers_gguf_loading(reference, smollm2_hf):
     ref_model, tok = reference
     batch = [tok(t)["input_ids"][:16] for t in TEXTS]
     tokens = np.array(batch)
-    import torch
     with torch.no_grad():
         ref = ref_model(torch.as_tensor(tokens)).logits.float().numpy()
     model = car_jax.load_model(smollm2_gguf())

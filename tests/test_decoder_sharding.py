@@ -26,9 +26,11 @@ B, T, S, STEPS = 8, 6, 24, 5  # rows, prompt width, cache slots, decode steps
 
 
 def random_params(module: Decoder):
+    """numpy arrays: placed on the mesh from the host, without the slicing program that
+    splitting a device array compiles for every weight shape."""
     rng = np.random.default_rng(0)
     shapes = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    return jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype), shapes)
+    return jax.tree.map(lambda x: rng.normal(0, 0.3, x.shape).astype(x.dtype), shapes)
 
 
 def rollout(module: Decoder, params, mesh):
@@ -46,8 +48,11 @@ def rollout(module: Decoder, params, mesh):
                                  jnp.asarray([-1], jnp.int32), no_stops, jax.random.key(0))
 
 
-@pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
-@pytest.mark.parametrize("fsdp,tp", [(4, 2), (8, 1)])
+# Both cache layouts (stacked, and XLA:CPU's one array per layer) with kv heads over tp = 2,
+# and the plain one on fsdp = 8 (a row per device): the two meshes run the same car_jax code
+# but for the tp split, so XLA:CPU on fsdp = 8 would repeat its (4, 2) case without tp.
+@pytest.mark.parametrize("fsdp,tp,policy", [(4, 2, PLAIN), (8, 1, PLAIN), (4, 2, XLA_CPU)],
+                         ids=["4-2-plain", "8-1-plain", "4-2-xla_cpu"])
 def test_prefill_and_decode_on_the_mesh_equal_one_device(policy, fsdp, tp):
     """Train-layout params (weights' D over fsdp) and a cache with rows over fsdp: the
     greedy tokens are equal, the log-probs and the cache's keys and values equal to float
@@ -56,7 +61,7 @@ def test_prefill_and_decode_on_the_mesh_equal_one_device(policy, fsdp, tp):
     params = random_params(module)
     mesh = car_jax.make_mesh(fsdp=fsdp, tp=tp)
     out, cache = rollout(module, shd.shard_params(params, mesh, "train"), mesh)
-    ref, ref_cache = rollout(module, params, None)
+    ref, ref_cache = rollout(module, jax.tree.map(jnp.asarray, params), None)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(out.length), np.full(B, STEPS))
     np.testing.assert_allclose(np.asarray(out.logp), np.asarray(ref.logp), rtol=0, atol=1e-5)

@@ -13,6 +13,7 @@ import car_jax
 from car_jax.assets import smollm2_gguf
 from car_jax.rollout import engine
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
+from car_jax.rollout.generate import round_up
 from car_jax.rollout.lockstep import run_lockstep
 from car_jax.rollout.protocols import ANSWER, Action
 from car_jax.rollout.schedule import Clock
@@ -59,10 +60,21 @@ def slow_search(queries):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_llama")
     build("llama", folder, vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def setup(folder):
     return car_jax.load_model(folder), car_jax.load_tokenizer(smollm2_gguf())
+
+
+@pytest.fixture(scope="module")
+def sharded(folder):
+    """The same model on an 8-device mesh: rows over fsdp=4, kv heads over tp=2."""
+    return car_jax.load_model(folder, mesh=car_jax.make_mesh(fsdp=4, tp=2), mode="sample")
 
 
 def _cfg(temperature, max_concurrent=0, park_slots=-1):
@@ -89,7 +101,7 @@ def _teacher_forced(model, trajs):
     """Per trajectory: logits float32[R, V] at each response position (predicting it), from
     one full forward over prompt + response (right-padded), no cache."""
     seqs = [np.concatenate([t.prompt_ids, t.response_ids]) for t in trajs]
-    width = max(map(len, seqs))
+    width = round_up(max(map(len, seqs)))  # a multiple of 16: the tests' forwards share one program
     tokens = np.zeros((len(seqs), width), np.int32)
     for i, s in enumerate(seqs):
         tokens[i, :len(s)] = s
@@ -108,21 +120,29 @@ def test_slots_give_the_episodes_of_all_at_once(setup, temperature):
     turns = [t.n_turns for t in every]
     assert len(set(turns)) >= 2 and min(turns) == 1, turns  # episodes end at different turns
     assert any(t.answered for t in every) and any(t.n_tool_calls for t in every)
-    moved = EpisodeStats()  # parkings and narrowings over the runs below
-    # fewer slots (one of two parking episodes that wait for a tool), as many, more
-    for max_concurrent, park in ((2, -1), (2, 1), (len(PROMPTS), -1), (len(PROMPTS) + 4, -1)):
-        stats = EpisodeStats()
-        # a tool slow next to the host's loop (50 ms) is still out when the next round
-        # schedules, so its episode is parked while the fresh ones want its row
-        tools = {"search": slow_search} if park > 0 else None
-        _same(_run(setup, temperature, max_concurrent, stats=stats, park_slots=park, tools=tools), every)
-        assert stats.slots == min(max_concurrent, len(PROMPTS))
-        quarter = max_concurrent // 4 if park < 0 else park  # parking only while episodes wait for a row
-        assert stats.park_slots == (quarter if max_concurrent < len(PROMPTS) else 0)
-        moved.parkings += stats.parkings
-        moved.narrowings += stats.narrowings
-    assert moved.parkings and moved.narrowings  # episodes were parked and the tail narrowed the rows
-    if temperature == 0:  # greedy: the lockstep runner (the loop before the engine) agrees
+    if temperature:
+        # fewer slots (one of two parking episodes that wait for a tool), as many, more.
+        # Sampled episodes only: the slot mechanics (refill, parking, narrowing, compaction)
+        # are the same code whatever the sampler, which only picks each row's token from its
+        # logits inside decode_slots (a static argument: greedy slot layouts would compile
+        # their own decode programs to run that code again); sampled episodes are the
+        # stricter check, each row's draw also following its episode's RNG stream whatever
+        # its slot. Greedy episodes through fewer slots than episodes are checked on a mesh
+        # (test_a_mesh_rollout_gives_the_unsharded_episodes), and here against the lockstep runner.
+        moved = EpisodeStats()  # parkings and narrowings over the runs below
+        for max_concurrent, park in ((2, -1), (2, 1), (len(PROMPTS), -1), (len(PROMPTS) + 4, -1)):
+            stats = EpisodeStats()
+            # a tool slow next to the host's loop (50 ms) is still out when the next round
+            # schedules, so its episode is parked while the fresh ones want its row
+            tools = {"search": slow_search} if park > 0 else None
+            _same(_run(setup, temperature, max_concurrent, stats=stats, park_slots=park, tools=tools), every)
+            assert stats.slots == min(max_concurrent, len(PROMPTS))
+            quarter = max_concurrent // 4 if park < 0 else park  # parking only while episodes wait for a row
+            assert stats.park_slots == (quarter if max_concurrent < len(PROMPTS) else 0)
+            moved.parkings += stats.parkings
+            moved.narrowings += stats.narrowings
+        assert moved.parkings and moved.narrowings  # episodes were parked and the tail narrowed the rows
+    else:  # greedy: the lockstep runner (the loop before the engine) agrees
         _same(run_lockstep(model, tok, PROMPTS, {"search": scripted_search}, config=_cfg(0.0), protocol=Scripted(),
                            seed=7), every)
 
@@ -189,13 +209,10 @@ def _numpy_packed(k, v, valid):
     return k2, v2, valid2
 
 
-def test_compact_and_move_rows_sharded_as_unsharded(setup, tmp_path):
+def test_compact_and_move_rows_sharded_as_unsharded(setup, sharded):
     """compact and move_rows on a cache split over an 8-device mesh (rows over fsdp=4, kv
     heads over tp=2) give the unsharded results, and both match a numpy re-derivation."""
     model, _ = setup
-    folder = tmp_path / "m"
-    build("llama", folder, vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    sharded = car_jax.load_model(folder, mesh=car_jax.make_mesh(fsdp=4, tp=2), mode="sample")
     rng = np.random.default_rng(0)
     b, s = 8, 24
     plain = model.init_cache(b, s)
@@ -243,13 +260,10 @@ def test_compact_and_move_rows_sharded_as_unsharded(setup, tmp_path):
     np.testing.assert_array_equal(np.stack(moved[0][:len(k)]).reshape(k2.shape)[:, [0, 3]], k2[:, [5, 2]])
 
 
-def test_a_mesh_rollout_gives_the_unsharded_episodes(setup, tmp_path, monkeypatch):
+def test_a_mesh_rollout_gives_the_unsharded_episodes(setup, sharded, monkeypatch):
     """On an 8-device mesh (rows over fsdp=4, kv heads over tp=2), 4 slots for 6 episodes:
     greedy episodes equal those of one device, all at once, and each refill runs only its
     rows' distinct prompts (u rows, split over fsdp), not every slot."""
-    folder = tmp_path / "m"
-    build("llama", folder, vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    sharded = car_jax.load_model(folder, mesh=car_jax.make_mesh(fsdp=4, tp=2), mode="sample")
     every = _run(setup, 0.0, 0)
     prefill = engine.prefill_prompts_shared
     runs = []  # (prompt rows run, slots) of each refill

@@ -55,10 +55,14 @@ def test_recorded_logprobs_equal_teacher_forcing(setup):
                          seed=11, stats=stats)
     assert sum(t.n_tool_calls for t in trajs) >= 4  # the episodes really are multi-turn
     assert any(t.n_turns == 4 for t in trajs)
-    for t in trajs:
-        seq = np.concatenate([t.prompt_ids, t.response_ids])
-        logits = np.asarray(model.logits(seq[None]))[0]
-        logp = np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
+    # one forward over every prompt + response, right-padded to one width (one program;
+    # causal attention: the padding after a sequence leaves its logits alone)
+    seqs = [np.concatenate([t.prompt_ids, t.response_ids]) for t in trajs]
+    tokens = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, seq in enumerate(seqs):
+        tokens[i, :len(seq)] = seq
+    all_logp = np.asarray(jax.nn.log_softmax(np.asarray(model.logits(tokens)) / temperature, axis=-1))
+    for t, seq, logp in zip(trajs, seqs, all_logp):
         p = len(t.prompt_ids)
         mask = np.array(t.loss_mask, bool)
         # the log-prob of token j is predicted at position j - 1

@@ -83,7 +83,7 @@ def _check(got, want):
     _close(out, want_out)
     for g, w in zip(grads, want_grads):
         _close(g, w)
-        assert float(jnp.abs(w).max()) > 1e-2  # a gradient that is there
+        assert float(np.abs(np.asarray(w)).max()) > 1e-2  # a gradient that is there
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -124,7 +124,7 @@ def test_responses_over_a_shared_prompt():
     want = _out_and_grads(after_prompt(lambda q, k, v: flash.dense_attention(q, k, v, mask)), ct, *args)
     _check(_out_and_grads(after_prompt(lambda q, k, v: flash.blockwise_attention(q, k, v, key_ok, p, 4, 5)), ct,
                           *args), want)
-    assert float(jnp.abs(want[1][1][0, :2]).max()) == 0.0  # prompt 0's two pad slots: never read
+    assert float(np.abs(np.asarray(want[1][1])[0, :2]).max()) == 0.0  # prompt 0's two pad slots: never read
 
 
 def test_a_slot_mask_is_its_last_row():
@@ -215,7 +215,7 @@ def test_train_step_equals_with_blockwise_attention(params):
     _close(l1, l2)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         _close(a, b)
-    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g2)) > 1e-3
+    assert max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(g2)) > 1e-3
     for k in m1:
         _close(m1[k], m2[k])
 

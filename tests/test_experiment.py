@@ -1,5 +1,5 @@
-"""`car-jax experiment` end to end on a tiny random model (warm start, 2 arms x 1 seed x 1 GRPO
-step, evaluations on two splits, the two-step equivalence runs) and its report, whose numbers are
+"""`car-jax experiment` end to end on a tiny random model (warm start, 2 arms x 1 seed x 2 GRPO
+steps, evaluations on two splits, the equivalence runs) and its report, whose numbers are
 re-derived here from the per-example samples files; plus the statistics on hand-made records."""
 import json
 
@@ -81,14 +81,12 @@ def test_experiment_then_report_matches_its_samples(tiny, tmp_path, monkeypatch,
 
     monkeypatch.setenv("CAR_JAX_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "exp"
-    # train.data.limit=4: the 4 prompts of the equivalence runs' 2 steps pad to the same width,
-    # so each rollout program compiles once for all runs. The arms train 1 step: what the
-    # report reads of a run is its evaluations and its logged rows; the equivalence runs take
-    # the 2 steps that show the two rewards train alike beyond the first update. No KL term
-    # (the trainer's, tested with it): no reference forward to compile and run in each run
+    # train.data.limit=4: the 4 prompts of the 2 steps pad to the same width, so each rollout
+    # program compiles once for all runs. No KL term (the trainer's, tested with it): no
+    # reference forward to compile and run in each run
     argv = ["experiment", f"dir={root}", "seeds=[0]",
             "arms={vanilla: {kind: binary}, car: {kind: mscr}}",
-            f"train.model.path={tiny}", "train.data.limit=4", "train.rl.steps=1", "train.rl.prompts_per_step=2",
+            f"train.model.path={tiny}", "train.data.limit=4", "train.rl.steps=2", "train.rl.prompts_per_step=2",
             "train.rollout.group_size=2", "train.rollout.max_turns=1", "train.rollout.max_response_tokens=8",
             "train.rollout.max_obs_tokens=32", "train.rl.loss.kl_coef=0", "train.mesh.devices=1",
             "train.run.checkpoint_every=1", "train.run.tensorboard=false", "warm_start.steps=2", "warm_start.batch=4", "eval.batch_size=4",

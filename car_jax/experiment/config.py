@@ -27,7 +27,9 @@ class WarmStartConfig:
     steps: int = 32
     batch: int = 4
     lr: float = 1e-4
-    confidence: int | str = 50  # every demonstration says 50; "random": uniform draws; "informative"
+    # "random": uniform draws in 0..100 (varied, uninformative); an integer: every demonstration says it
+    # (then every reward is affine in correctness within a group and the arms coincide); "informative"
+    confidence: int | str = "random"
     limit: int | None = None  # demonstrations from the first N training questions (null: all)
 
     def __post_init__(self):

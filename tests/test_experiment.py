@@ -188,3 +188,49 @@ def test_shipped_experiment_configs_load_and_plan():
         n_runs = len(cfg.arms) * len(cfg.seeds)
         assert len(units) == 1 + n_runs + (1 + n_runs) * len(cfg.eval.splits) + 2 * bool(cfg.equivalence.steps)
         assert cfg.warm_start.confidence != "informative"  # the experiment's warm start says nothing
+
+
+def test_pruned_folder_keeps_its_records_and_rebuilds_the_warm_start(tiny, tmp_path, monkeypatch, capsys):
+    """--prune deletes weights and checkpoints once nothing needs them; a folder that lost the
+    warm start's weights (a records-only copy) rebuilds them before its next run, bit for bit."""
+    import hashlib
+
+    from car_jax import cli
+
+    monkeypatch.setenv("CAR_JAX_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "exp"
+    argv = ["experiment", f"dir={root}", "seeds=[0]", "arms={vanilla: {kind: binary}}",
+            f"train.model.path={tiny}", "train.data.limit=2", "train.rl.steps=1", "train.rl.prompts_per_step=1",
+            "train.rollout.group_size=2", "train.rollout.max_turns=1", "train.rollout.max_response_tokens=4",
+            "train.rollout.max_obs_tokens=16", "train.rl.loss.kl_coef=0", "train.mesh.devices=1",
+            "train.run.tensorboard=false", "warm_start.steps=2", "warm_start.batch=2", "eval.batch_size=2",
+            "eval.n_boot=100", "eval.episode.max_turns=1", "eval.episode.max_response_tokens=4",
+            "eval.episode.max_obs_tokens=16", "equivalence.steps=0",
+            "eval.splits={id: {path: world, split: dev, limit: 2}}", "--prune"]
+    warm = root / "warm"
+    assert cli.main([*argv, "--only", "warm"]) == 0
+    assert (warm / "warm_start").is_dir()  # not evaluated yet: nothing pruned
+    assert cli.main([*argv, "--only", "eval/warm"]) == 0
+    capsys.readouterr()
+    # its evaluation is done: checkpoints go, the weights stay (the run still needs them)
+    assert not (warm / "checkpoints").exists() and not (warm / "warm_start").exists()
+    weights = sorted((warm / "hf").glob("*.safetensors"))
+    assert weights
+    first = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in weights}
+    assert json.loads((warm / "weights.sha256.json").read_text()) == first
+    for p in weights:  # a copy of the records only
+        p.unlink()
+
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rebuilding them" in out and "identical to the first build" in out
+    rebuilt = [r for r in _lines(root / "progress.jsonl") if r["unit"] == "warm (rebuilt)"]
+    assert len(rebuilt) == 1 and rebuilt[0]["identical"] is True
+    # everything done: no weights or checkpoints left, every unit still done, the records read
+    assert not list(root.rglob("*.safetensors")) and not list(root.rglob("checkpoints"))
+    assert (root / "runs" / "vanilla-s0" / "hf" / "config.json").is_file()
+    assert cli.main([*argv, "--status"]) == 0
+    assert "4 of 4 units done" in capsys.readouterr().out
+    md = (root / "report" / "RESULTS.md").read_text()
+    assert "rebuilt from its demonstrations 1 time(s)" in md and "identical" in md
+    assert "Partial report" not in md

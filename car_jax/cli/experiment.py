@@ -5,6 +5,7 @@ greedy evaluations, then the report (RESULTS.md, results.json, figures).
     car-jax experiment --config configs/experiment/world.yaml            # run or resume, then report
     car-jax experiment --config configs/experiment/world.yaml --status   # which units are done
     car-jax experiment --config ... --only train/car                      # units whose name starts so
+    car-jax experiment --config ... --prune       # delete weights and checkpoints once nothing needs them
     car-jax experiment --config runs/experiment/experiment.yaml --report --report-to .
 
 Every unit resumes where it stopped, so the command can be stopped (Ctrl-C, a kill) and run
@@ -21,6 +22,9 @@ def register(sub) -> None:
     add_config_args(p, "keys of car_jax.experiment.config.ExperimentConfig", "seeds=[0] train.rl.steps=4")
     p.add_argument("--status", action="store_true", help="list the units and whether each is done")
     p.add_argument("--only", default=None, metavar="PREFIX", help="run only the units whose name starts with PREFIX")
+    p.add_argument("--prune", action="store_true", help="delete each policy's weights and checkpoints once its "
+                   "evaluations are done (the records the report reads stay; the warm start's weights are "
+                   "rebuilt if a later run needs them)")
     p.add_argument("--report", action="store_true", help="rebuild the report from the run folders; run nothing")
     p.add_argument("--report-to", default=None, metavar="DIR", help="where RESULTS.md and its figures go "
                    "(default <dir>/report)")
@@ -64,7 +68,7 @@ def _run(args) -> int:
         return 0
     if not args.report:
         _check_folder(cfg)
-        run_experiment(cfg, only=args.only)
+        run_experiment(cfg, only=args.only, prune_done=args.prune)
         if not all(done for _, done in status(cfg)):
             print("some units are not done yet (--only); the report waits for all of them")
             return 0

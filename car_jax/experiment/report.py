@@ -25,7 +25,7 @@ from car_jax.calibration import metrics
 from car_jax.eval.runner import SAMPLES_FILE, read_samples
 from car_jax.experiment import stats
 from car_jax.experiment.config import ExperimentConfig
-from car_jax.experiment.runner import PROGRESS_FILE, equivalence_rewards, is_done, plan, status
+from car_jax.experiment.runner import PROGRESS_FILE, REBUILT, equivalence_rewards, is_done, plan, status
 
 ASSETS = "results"  # the folder beside RESULTS.md that holds its figures and results.json
 CURVE_KEYS = (("reward", "reward"), ("ece", "ECE (train rollouts)"), ("confidence", "mean confidence"))
@@ -89,10 +89,21 @@ def build(cfg: ExperimentConfig, data: dict) -> dict:
     res["equivalence"] = equivalence_check(cfg)
     progress = _rows(Path(cfg.dir) / PROGRESS_FILE)
     done = [d for _, d in status(cfg)]
-    res["budget"] = {"units_timed": len(progress), "seconds": sum(p["seconds"] for p in progress),
-                     "units": len(done), "units_done": sum(done)}
+    res["budget"] = {"units_timed": len([p for p in progress if p["unit"] != REBUILT]),
+                     "seconds": sum(p["seconds"] for p in progress), "units": len(done), "units_done": sum(done)}
+    res["warm_rebuilds"] = [p.get("identical") for p in progress if p["unit"] == REBUILT]
     res["complete"] = all(done)
     return res
+
+
+def _rebuild_lines(rebuilds: list) -> list[str]:
+    """The Setup line on rebuilds of the warm start's pruned weights between sittings."""
+    if not rebuilds:
+        return []
+    word = {True: "identical", False: "DIFFERENT", None: "not compared (no first hashes)"}
+    return [f"- The warm start's weights were pruned and rebuilt from its demonstrations {len(rebuilds)} "
+            "time(s) between sittings; SHA-256 against the first build: "
+            + ", ".join(word[r] for r in rebuilds) + "."]
 
 
 # ---------------------------------------------------------------- figures
@@ -156,6 +167,7 @@ def markdown(cfg: ExperimentConfig, res: dict, commands: Sequence[str], figures:
              f"- Shared warm start: {w.steps} SFT steps of batch {w.batch}, lr {w.lr:g}; demonstrations state "
              f"confidence `{w.confidence}` (no information about correctness"
              f"{'' if w.confidence != 'informative' else ': NOT the case here'}).",
+             *_rebuild_lines(res.get("warm_rebuilds", [])),
              f"- GRPO: {t.rl.steps} steps x {t.rl.prompts_per_step} prompts x G = {t.rollout.group_size}, "
              f"lr {t.rl.optim.lr:g}, KL {t.rl.loss.kl_coef:g}, {t.rollout.max_turns} search turns of "
              f"{t.rollout.max_response_tokens} tokens.",

@@ -15,12 +15,22 @@ A unit stopped half way (a kill, a crash, the end of a sitting) resumes where it
 training from its latest checkpoint (`run.resume`), evaluation from its samples file
 (`output.resume`). So `car-jax experiment` can be run again and again until every unit is
 done, in as many sittings as it takes.
+
+With `prune`, a policy's weights and checkpoints are deleted once its evaluations are done
+(and the warm start's once no run needs it): the folder keeps the records the report reads
+(configs, metrics, samples, summaries), a few MB instead of ~2 GB a run, small enough to copy
+or commit. A folder whose warm start weights are gone (pruned, or a copy without them) rebuilds
+them from warm/demos.jsonl before the next run that needs them, and checks the rebuilt
+weights against the SHA-256 the first build recorded (warm/weights.sha256.json); the outcome
+is a line in progress.jsonl and in the report.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -36,6 +46,8 @@ from car_jax.train.sft import world_demos, write_demos
 from car_jax.train.trainer import train
 
 PROGRESS_FILE = "progress.jsonl"
+WARM_HASHES = "weights.sha256.json"  # in warm/: the first build's weight files -> SHA-256
+REBUILT = "warm (rebuilt)"  # the progress line of a rebuild of the warm start's weights
 EVAL_MODES = {"search": "search", "tir": "tir"}  # training template -> eval mode
 
 
@@ -143,25 +155,102 @@ def run_unit(unit: Unit, cfg: ExperimentConfig, log: Callable = print) -> None:
     train(unit.config)
 
 
-def run_experiment(cfg: ExperimentConfig, only: str | None = None, log: Callable = print) -> list[Unit]:
+def _progress(cfg: ExperimentConfig, row: dict) -> None:
+    with open(Path(cfg.dir) / PROGRESS_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps({**row, "time": time.time()}) + "\n")
+
+
+def weight_hashes(hf: Path) -> dict[str, str]:
+    """SHA-256 of each safetensors file in an exported HF folder ({} when there is none)."""
+    out = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+        out[f.name] = h.hexdigest()
+    return out
+
+
+def ensure_warm_weights(cfg: ExperimentConfig, warm: Unit, log: Callable = print) -> None:
+    """Rebuilds the warm start's weights when its unit is done but warm/hf holds none (a
+    pruned folder, or a copy of the records only): the same SFT on the same demonstrations
+    and seed. Compares them with the hashes of the first build and records the outcome in
+    progress.jsonl; a rebuild that differs (another machine's arithmetic) is reported, not
+    refused, as the runs already done started from the first build."""
+    hf = warm.dir / "hf"
+    if not is_done(warm) or weight_hashes(hf):
+        return
+    log(f"\n== the warm start's weights are not in {hf}: rebuilding them from {warm.config.sft.data} ==")
+    start = time.perf_counter()
+    train(warm.config)
+    gc.collect()
+    got = weight_hashes(hf)
+    first = json.loads((warm.dir / WARM_HASHES).read_text()) if (warm.dir / WARM_HASHES).is_file() else None
+    same = None if first is None else got == first
+    log({True: "the rebuilt weights are identical to the first build's (SHA-256)",
+         False: "WARNING: the rebuilt weights differ from the first build's: the runs still to come start "
+                "from a warm start that is not bit-identical to the one the finished runs started from",
+         None: f"no hashes of the first build ({WARM_HASHES}) to compare with"}[same])
+    _progress(cfg, {"unit": REBUILT, "seconds": round(time.perf_counter() - start, 1), "identical": same})
+
+
+def prune(cfg: ExperimentConfig, units: list[Unit] | None = None) -> list[Path]:
+    """Deletes what the report does not read once nothing still to run needs it: checkpoints
+    and weights of every policy whose evaluations are done (the warm start's weights only when
+    every run and the equivalence check are done too). Keeps configs, metrics, samples,
+    summaries and hf/config.json (a finished run stays done). Returns the deleted paths."""
+    units = plan(cfg) if units is None else units
+    done = {u.name: is_done(u) for u in units}
+    policy_done = lambda p: all(d for n, d in done.items() if n.startswith(f"eval/{p}/"))
+    gone = []
+    for u in units:
+        if u.kind == "eval" or not done[u.name]:
+            continue
+        policy = "warm" if u.kind == "warm" else u.name.split("/", 1)[1]
+        if u.kind in ("warm", "train") and not policy_done(policy):
+            continue
+        paths = [u.dir / "checkpoints", u.dir / "warm_start"]
+        if u.kind == "train" or (u.kind == "warm" and all(done.values())):
+            paths += sorted((u.dir / "hf").glob("*.safetensors"))
+        for p in paths:
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+            else:
+                continue
+            gone.append(p)
+    return gone
+
+
+def run_experiment(cfg: ExperimentConfig, only: str | None = None, log: Callable = print,
+                   prune_done: bool = False) -> list[Unit]:
     """Runs every unit that is not done yet (those whose name starts with `only`, if given),
     in plan order; returns the units it ran. A unit's failure stops the experiment (the
-    error propagates); running again resumes."""
-    units = [u for u in plan(cfg) if only is None or u.name.startswith(only)]
+    error propagates); running again resumes. With `prune_done`, `prune` after each unit."""
+    every = plan(cfg)
+    units = [u for u in every if only is None or u.name.startswith(only)]
     if only is not None and not units:
-        raise ValueError(f"--only {only!r} matches no unit; units are named like {plan(cfg)[1].name!r}")
+        raise ValueError(f"--only {only!r} matches no unit; units are named like {every[1].name!r}")
     Path(cfg.dir).mkdir(parents=True, exist_ok=True)
+    if prune_done:  # what an earlier sitting finished without pruning
+        prune(cfg, every)
     ran = []
     for i, unit in enumerate(units, 1):
         if is_done(unit):
             continue
+        if unit.kind in ("train", "equivalence"):
+            ensure_warm_weights(cfg, every[0], log)
         log(f"\n== experiment unit {i}/{len(units)}: {unit.name} ({unit.dir}) ==")
         start = time.perf_counter()
         run_unit(unit, cfg, log)
         gc.collect()
-        seconds = time.perf_counter() - start
-        with open(Path(cfg.dir) / PROGRESS_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"unit": unit.name, "seconds": round(seconds, 1), "time": time.time()}) + "\n")
+        _progress(cfg, {"unit": unit.name, "seconds": round(time.perf_counter() - start, 1)})
+        if unit.kind == "warm":
+            (unit.dir / WARM_HASHES).write_text(json.dumps(weight_hashes(unit.dir / "hf"), indent=1) + "\n")
+        if prune_done:
+            prune(cfg, every)
         ran.append(unit)
     return ran
 

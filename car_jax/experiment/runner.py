@@ -202,14 +202,13 @@ def prune(cfg: ExperimentConfig, units: list[Unit] | None = None) -> list[Path]:
     summaries and hf/config.json (a finished run stays done). Returns the deleted paths."""
     units = plan(cfg) if units is None else units
     done = {u.name: is_done(u) for u in units}
-    policy_done = lambda p: all(d for n, d in done.items() if n.startswith(f"eval/{p}/"))
     gone = []
     for u in units:
         if u.kind == "eval" or not done[u.name]:
             continue
         policy = "warm" if u.kind == "warm" else u.name.split("/", 1)[1]
-        if u.kind in ("warm", "train") and not policy_done(policy):
-            continue
+        if not all(d for name, d in done.items() if name.startswith(f"eval/{policy}/")):
+            continue  # still to be evaluated (an equivalence run has no evaluations)
         paths = [u.dir / "checkpoints", u.dir / "warm_start"]
         if u.kind == "train" or (u.kind == "warm" and all(done.values())):
             paths += sorted((u.dir / "hf").glob("*.safetensors"))

@@ -53,6 +53,19 @@ def test_verdict_reads_the_intervals():
     assert "accuracy drops" in stats.verdict(costly, "car", "vanilla", "id")
 
 
+def test_modal_confidence_and_collapse_note():
+    q = [0.55] * 6 + [0.5, 0.58, 0.9, 0.1]  # 55 six times; 0.5 and 0.58 within 5 points of it
+    m = stats.modal_confidence(_records([True] * 10, q))
+    assert m == pytest.approx({"value": 0.55, "share": 0.6, "near": 0.8})
+    runs = {"warm": {"modal": {"value": 0.07, "share": 0.4, "near": 0.5}, "auroc": 0.6},
+            "car-s0": {"modal": {"value": 0.55, "share": 0.97, "near": 0.97}, "auroc": 0.5},
+            "car-s1": {"modal": {"value": 0.3, "share": 0.2, "near": 0.4}, "auroc": 0.7}}
+    note = stats.collapse_note("id", runs)
+    assert note.startswith("id: 1 of the 2 trained policies") and "car-s0 55 on 97%" in note
+    assert "car-s1" not in note and "before RL, states about 7 on 50%" in note
+    assert stats.collapse_note("id", {k: v for k, v in runs.items() if k != "car-s0"}) is None
+
+
 def test_uninformative_demonstration_confidences():
     found = [True, False, True, False]
     assert demo_confidences(4, "informative", found) == [90, 10, 90, 10]
@@ -117,7 +130,13 @@ def test_experiment_then_report_matches_its_samples(tiny, tmp_path, monkeypatch,
             assert got["ece"]["mean"] == pytest.approx(_ece(c, q), abs=1e-6)
             assert got["brier"]["mean"] == pytest.approx(np.mean((np.asarray(q) - np.asarray(c, float)) ** 2), abs=1e-6)
         assert f"{res['splits'][split]['policies']['car']['accuracy']['mean']:.3f}" in md
-        assert res["splits"][split]["verdicts"]["car"].startswith(f"{split}:")
+        assert res["splits"][split]["verdicts"]["car"].startswith(f"{split}, car:")
+        for run in ("warm", "vanilla-s0", "car-s0"):  # the per-run table, re-derived from the samples
+            q = [s["confidence"] for s in _lines(root / "evals" / run / split / "samples.jsonl")]
+            top = max(sorted(set(q)), key=q.count)
+            got = res["splits"][split]["runs"][run]
+            assert got["modal"]["value"] == pytest.approx(top) and got["modal"]["share"] == pytest.approx(q.count(top) / n)
+            assert f"| {run} | {got['accuracy']:.3f} | {got['ece']:.3f} |" in md
     # per split: a row in its metrics table and one in its comparison with the baseline
     assert len([line for line in md.splitlines() if line.startswith("| car (1 seed) |")]) == 2
     assert len([line for line in md.splitlines() if line.startswith("| car |")]) == 2

@@ -39,17 +39,18 @@ def _rows(path: Path) -> list[dict]:
 
 
 def collect(cfg: ExperimentConfig) -> dict:
-    """{split: {"warm": [records], arm: [[records of seed s] for each evaluated seed]}} from
-    evals/, with only the evaluations that are complete (a policy with none is left out), so
-    a report can be made while the experiment is still running."""
+    """{split: {policy: {run name: records}}} from evals/ ("warm": {"warm": records}; an arm:
+    {"<arm>-s<seed>": records} for each evaluated seed), with only the evaluations that are
+    complete (a policy with none is left out), so a report can be made while the experiment is
+    still running."""
     root, out = Path(cfg.dir), {}
     done = {u.name for u in plan(cfg) if u.kind == "eval" and is_done(u)}
     for split in cfg.eval.splits:
         out[split] = {}
         for policy, seeds in [("warm", [None])] + [(arm, list(cfg.seeds)) for arm in cfg.arms]:
             names = [policy if s is None else f"{policy}-s{s}" for s in seeds]
-            recs = [read_samples(root / "evals" / n / split / SAMPLES_FILE) for n in names
-                    if f"eval/{n}/{split}" in done]
+            recs = {n: read_samples(root / "evals" / n / split / SAMPLES_FILE) for n in names
+                    if f"eval/{n}/{split}" in done}
             if recs:
                 out[split][policy] = recs
     return out
@@ -77,15 +78,19 @@ def build(cfg: ExperimentConfig, data: dict) -> dict:
     """The report's numbers (results.json without its figures) from `collect(cfg)`."""
     res = {"splits": {}, "baseline": cfg.baseline, "arms": list(cfg.arms), "seeds": list(cfg.seeds)}
     for split, policies in data.items():
-        summ = {name: stats.arm_summary(recs, cfg.eval.n_boot, seed=i)
+        summ = {name: stats.arm_summary(list(recs.values()), cfg.eval.n_boot, seed=i)
                 for i, (name, recs) in enumerate(policies.items())}
+        runs = {run: {"modal": summ[name]["modal"][j], **{k: summ[name][k]["per_seed"][j] for k in stats.REPORTED}}
+                for name, recs in policies.items() for j, run in enumerate(recs)}
         base = summ.get(cfg.baseline)
         vs = {} if base is None else {arm: stats.compare(summ[arm], base) for arm in cfg.arms
                                       if arm != cfg.baseline and arm in summ}
         res["splits"][split] = {
             "policies": {k: {m: v for m, v in s.items() if m != "_draws"} for k, s in summ.items()},
             "vs_baseline": vs,
-            "verdicts": {arm: stats.verdict(d, arm, cfg.baseline, split) for arm, d in vs.items()}}
+            "runs": runs,
+            "verdicts": {arm: stats.verdict(d, arm, cfg.baseline, split) for arm, d in vs.items()},
+            "collapse": stats.collapse_note(split, runs)}
     res["equivalence"] = equivalence_check(cfg)
     progress = _rows(Path(cfg.dir) / PROGRESS_FILE)
     done = [d for _, d in status(cfg)]
@@ -128,12 +133,12 @@ def curves_figure(cfg: ExperimentConfig, path: Path) -> None:
 
 
 def reliability_figure(records: dict, split: str, path: Path) -> None:
-    """One reliability panel per policy ({name: [records of each seed]}), seeds pooled."""
+    """One reliability panel per policy ({name: {run name: records}}), seeds pooled."""
     fig = Figure(figsize=(3.2 * len(records), 3.4), dpi=110)
     axes = np.atleast_1d(fig.subplots(1, len(records)))
     edges = metrics.bin_edges(10)
     for ax, (name, per_seed) in zip(axes, records.items()):
-        pooled = [r for recs in per_seed for r in recs]
+        pooled = [r for recs in per_seed.values() for r in recs]
         c, q = stats.arrays(pooled)
         count, mean_q, acc = (np.asarray(a) for a in metrics.bin_stats(c, q, 10))
         full = count > 0
@@ -169,7 +174,8 @@ def markdown(cfg: ExperimentConfig, res: dict, commands: Sequence[str], figures:
              f"{'' if w.confidence != 'informative' else ': NOT the case here'}).",
              *_rebuild_lines(res.get("warm_rebuilds", [])),
              f"- GRPO: {t.rl.steps} steps x {t.rl.prompts_per_step} prompts x G = {t.rollout.group_size}, "
-             f"lr {t.rl.optim.lr:g}, KL {t.rl.loss.kl_coef:g}, {t.rollout.max_turns} search turns of "
+             f"lr {t.rl.optim.lr:g}, KL {t.rl.loss.kl_coef:g}, at most {t.rollout.max_turns} search "
+             f"turn{'s' * (t.rollout.max_turns != 1)} of "
              f"{t.rollout.max_response_tokens} tokens.",
              f"- Arms: " + ", ".join(f"`{a}` ({r.kind})" for a, r in cfg.arms.items())
              + f"; seeds {list(cfg.seeds)}; baseline `{cfg.baseline}`.",
@@ -199,6 +205,16 @@ def markdown(cfg: ExperimentConfig, res: dict, commands: Sequence[str], figures:
             rel_cell = "n/a" if math.isnan(rel["mean"]) else (
                 f"{100 * rel['mean']:+.1f}% [{100 * rel['lo']:+.1f}%, {100 * rel['hi']:+.1f}%]")
             lines.append(f"| {arm} | {_cell(d['d_accuracy'])} | {_cell(d['d_ece'])} | {rel_cell} |")
+        lines += ["", "Each run (the seed-level values behind the rows above; the last columns give the "
+                  "confidence the policy states most often, and on what share of the questions it states "
+                  "that value, or one within 5 points of it):", "",
+                  "| run | accuracy | ECE | AUROC | mean confidence | most stated | share | share within 5 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for run, r in sres["runs"].items():
+            lines.append(f"| {run} | " + " | ".join("n/a" if math.isnan(r[k]) else f"{r[k]:.3f}"
+                                                   for k in ("accuracy", "ece", "auroc", "mean_confidence"))
+                         + f" | {100 * r['modal']['value']:.0f} | {100 * r['modal']['share']:.0f}% | "
+                         f"{100 * r['modal']['near']:.0f}% |")
         if f"reliability_{split}" in figures:
             lines += ["", f"![reliability diagrams, {split}]({figures[f'reliability_{split}']})"]
         lines.append("")
@@ -220,7 +236,9 @@ def markdown(cfg: ExperimentConfig, res: dict, commands: Sequence[str], figures:
     if not res["complete"]:
         lines.append("Not yet: the experiment is still running.")
     for split, sres in res["splits"].items():
-        lines += [f"- {v}" for v in sres["verdicts"].values()] if res["complete"] else []
+        if res["complete"]:
+            lines += [f"- {v}" for v in sres["verdicts"].values()]
+            lines += [f"- {sres['collapse']}"] if sres["collapse"] else []
     lines.append("")
     return "\n".join(lines)
 

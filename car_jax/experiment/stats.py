@@ -53,12 +53,26 @@ def interval(draws: np.ndarray) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+def modal_confidence(records: Sequence[dict], near: float = 0.05) -> dict[str, float]:
+    """{"value", "share", "near"}: the confidence one seed's policy states most often (ties: the
+    smaller value), the share of its records that state it, and the share within `near` of it.
+    A "near" share close to 1 means the policy says about one number whatever the question: its
+    ECE then only measures where that number sits against its accuracy."""
+    q = np.array([r["confidence"] for r in records], np.float64)  # as stated, not rounded to f32
+    values, counts = np.unique(q, return_counts=True)
+    i = int(np.argmax(counts))
+    return {"value": float(values[i]), "share": float(counts[i] / counts.sum()),
+            "near": float(np.mean(np.abs(q - values[i]) <= near + 1e-9))}
+
+
 def arm_summary(per_seed: Sequence[Sequence[dict]], n_boot: int, seed: int = 0) -> dict:
     """{metric: {"mean", "lo", "hi", "per_seed"}} for REPORTED, plus "n" (examples per seed),
-    "seeds", and "_draws" (the bootstrap draws, for comparisons; not written out)."""
+    "seeds", "modal" (modal_confidence per seed) and "_draws" (the bootstrap draws, for
+    comparisons; not written out)."""
     points = [seed_metrics(recs) for recs in per_seed]
     draws = arm_draws(per_seed, n_boot, seed)
-    out = {"n": [len(r) for r in per_seed], "seeds": len(per_seed), "_draws": draws}
+    out = {"n": [len(r) for r in per_seed], "seeds": len(per_seed), "_draws": draws,
+           "modal": [modal_confidence(recs) for recs in per_seed]}
     for k in REPORTED:
         vals = np.array([p[k] for p in points])
         lo, hi = interval(draws[:, metrics.KEYS.index(k)])
@@ -87,17 +101,39 @@ def compare(arm: dict, base: dict) -> dict:
 
 
 def verdict(diff: dict, arm: str, base: str, split: str, acc_margin: float = 0.05) -> str:
-    """One honest sentence on "the arm lowers ECE at equal accuracy" from `compare`'s output:
-    supported when the ECE difference's interval lies below 0 and the accuracy difference's
-    interval lies within +-acc_margin of 0 or above it; contradicted when the ECE interval lies
-    above 0; otherwise not resolved by this experiment."""
+    """One honest sentence on "the arm lowers ECE at equal accuracy" from `compare`'s output,
+    opening with "<split>, <arm>:": supported when the ECE difference's interval lies below 0
+    and the accuracy difference's interval lies within +-acc_margin of 0 or above it;
+    contradicted when the ECE interval lies above 0; otherwise not resolved by this experiment."""
     e, a = diff["d_ece"], diff["d_accuracy"]
     nums = (f"ECE {e['mean']:+.3f} [{e['lo']:+.3f}, {e['hi']:+.3f}], accuracy {a['mean']:+.3f} "
             f"[{a['lo']:+.3f}, {a['hi']:+.3f}] against {base}")
     if e["hi"] < 0 and a["lo"] >= -acc_margin:
-        return f"{split}: supported. {arm} lowers ECE without losing accuracy ({nums})."
+        return f"{split}, {arm}: supported. {arm} lowers ECE without losing accuracy ({nums})."
     if e["hi"] < 0:
-        return f"{split}: ECE is lower, but accuracy drops. {arm} is not better at equal accuracy ({nums})."
+        return f"{split}, {arm}: ECE is lower, but accuracy drops. {arm} is not better at equal accuracy ({nums})."
     if e["lo"] > 0:
-        return f"{split}: contradicted. {arm} raises ECE ({nums})."
-    return f"{split}: not resolved. The interval of the ECE difference includes 0 ({nums})."
+        return f"{split}, {arm}: contradicted. {arm} raises ECE ({nums})."
+    return f"{split}, {arm}: not resolved. The interval of the ECE difference includes 0 ({nums})."
+
+
+def collapse_note(split: str, runs: dict[str, dict], share: float = 0.9, before: str = "warm") -> str | None:
+    """The sentence on confidence collapse among trained policies ({run name: {"modal",
+    "auroc"}} of one split; the run named `before`, the warm start, is the reference, not one of
+    them): which state about one confidence (within 5 points of the one they state most) on at
+    least `share` of the questions, and what their ECE does and does not measure then. None
+    when none does."""
+    start = runs.get(before)
+    runs = {n: r for n, r in runs.items() if n != before}
+    flat = [n for n, r in runs.items() if r["modal"]["near"] >= share]
+    if not flat:
+        return None
+    said = ", ".join(f"{n} {100 * runs[n]['modal']['value']:.0f} on "
+                     f"{100 * runs[n]['modal']['near']:.0f}%" for n in flat)
+    aurocs = [runs[n]["auroc"] for n in flat if not np.isnan(runs[n]["auroc"])]
+    auroc = f" (their AUROC: median {np.median(aurocs):.2f})" if aurocs else ""
+    return (f"{split}: {len(flat)} of the {len(runs)} trained policies state about one confidence (within "
+            f"5 points) on at least {100 * share:.0f}% of the questions ({said}). For them ECE measures how far that one number "
+            f"is from their accuracy, not whether their confidence tells right answers from wrong ones{auroc}."
+            + ("" if start is None else f" The warm start, before RL, states about "
+               f"{100 * start['modal']['value']:.0f} on {100 * start['modal']['near']:.0f}% of the questions."))

@@ -115,7 +115,7 @@ def _run(args) -> int:
           f"{cfg.rl.prompts_per_step * cfg.rollout.group_size} trajectories do not move calibration, and the SFT "
           "demonstrations already state high confidence when the documents hold the answer and low otherwise. "
           "What CAR's reward does against vanilla and RLCR is measured by `car-jax experiment --config "
-          "configs/experiment/world_car.yaml` (3 rewards x 3 seeds, ~6 h on two CPU cores); its report is RESULTS.md.")
+          "configs/experiment/world_car.yaml` (3 rewards x 3 seeds, ~2.5 h on two CPU cores); its report is RESULTS.md.")
     print(f"\nrun folder:           {out}")
     print(f"training metrics:     {out / 'train' / 'metrics.jsonl'} (SFT: {out / 'train' / 'sft' / 'metrics.jsonl'})")
     print(f"TensorBoard logs:     {out / 'train' / 'tb'}   (tensorboard --logdir {out / 'train' / 'tb'})")

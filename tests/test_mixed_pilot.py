@@ -78,6 +78,7 @@ def test_scripted_mixed_cells_and_parts_rederived(cache, tmp_path, monkeypatch):
             numbers = cell if group == "mixed" else cell["by_tool"][group.split("/")[1]]
             want, boot = _numpy_metrics(c[idx], q[idx]), _bootstrap(c[idx], q[idx], 50, seed=3)
             assert numbers["n"] == len(idx)
+            assert numbers["format_rate"] == pytest.approx(np.mean([rows[i]["format_ok"] for i in idx]))
             for name in pilot.METRICS:
                 assert numbers[name] == pytest.approx(want[name], abs=1e-6), (setting, group, name)
                 assert numbers["ci95"][name] == pytest.approx(boot[name], abs=1e-5), (setting, group, name)

@@ -231,7 +231,8 @@ def run_pilot(cfg: PilotConfig, *, log=print, progress: bool = True) -> dict:
 def _numbers(summary: dict) -> dict:
     """A cell's numbers from an eval summary (`runner.summarize`)."""
     return {"n": summary["n"], **{k: summary[k] for k in METRICS}, "ci95": {k: summary["ci95"][k] for k in METRICS},
-            "mean_confidence": summary["mean_confidence"], "mean_tool_calls": summary.get("mean_tool_calls")}
+            "mean_confidence": summary["mean_confidence"], "mean_tool_calls": summary.get("mean_tool_calls"),
+            "format_rate": summary.get("format_rate")}
 
 
 def tool_parts(examples, records: list[dict]) -> dict[str, list[dict]]:
@@ -277,12 +278,15 @@ def groups(cells: dict) -> dict[str, dict]:
 def format_pilot(result: dict) -> str:
     """The cells (and the mixed kind's parts) as a table (metric [95% interval]) and the Welch
     tests below it."""
-    head = ["tool", "setting", "n", *(m.upper() if m != "accuracy" else m for m in METRICS[:4])]
-    body = [[kind, setting, str(c["n"]), *(_fmt(c[m], c["ci95"][m]) for m in METRICS[:4])]
+    head = ["tool", "setting", "n", *(m.upper() if m != "accuracy" else m for m in METRICS[:4]), "format", "tool calls"]
+    body = [[kind, setting, str(c["n"]), *(_fmt(c[m], c["ci95"][m]) for m in METRICS[:4]),
+             _fmt(c.get("format_rate")), _fmt(c.get("mean_tool_calls"))]
             for kind, settings in groups(result["cells"]).items() for setting, c in settings.items()]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
     lines = [line(head), line(["-" * w for w in widths]), *map(line, body), "",
+             "format: the share of episodes that end in a well-formed answer with its confidence; where it is",
+             "near 0 the cell's metrics are those of the fallback (no answer, confidence 0), not the policy's.", "",
              "Welch t-tests (two-sided; a vs b: mean of a - mean of b):"]
     for t in result["tests"]:
         lines.append(f"  {t['kind']:<12} {t['a']:>6} vs {t['b']:<6} {t['quantity']:<16} "

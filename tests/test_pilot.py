@@ -46,6 +46,11 @@ def test_welch_equals_scipy():
                                                            equal_var=False).pvalue, rel=1e-7)
     # undefined: a group with one value, or no variance at all
     assert math.isnan(pilot.welch([1.0], [0.0, 1.0])["t"]) and math.isnan(pilot.welch([1.0, 1.0], [1.0, 1.0])["p"])
+    # two groups that all state 0.9: no test (scipy, from float64 rounding, says t = 3.74, p = 0.002)
+    same = pilot.welch(np.full(15, 0.9), np.full(8, 0.9))
+    assert math.isnan(same["t"]) and math.isnan(same["p"]) and same["mean_a"] == same["mean_b"] == 0.9
+    one = pilot.welch(np.full(15, 0.9), np.r_[np.full(7, 0.9), 0.5])  # one constant group: b's variance alone
+    assert one["t"] == pytest.approx(0.4 / 8 / math.sqrt(np.var(np.r_[np.full(7, 0.9), 0.5], ddof=1) / 8))
 
 
 # ---------------------------------------------------------------- a scripted study

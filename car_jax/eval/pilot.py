@@ -116,6 +116,18 @@ def cell_configs(cfg: PilotConfig) -> dict[tuple[str, str], EvalConfig]:
 
 
 # ---------------------------------------------------------------- statistics
+def _mean(x: np.ndarray) -> float:
+    """The mean; exactly the value when all values are equal; NaN when there is none."""
+    if not x.size:
+        return math.nan
+    return float(x[0]) if np.ptp(x) == 0 else float(x.mean())
+
+
+def _var(x: np.ndarray) -> float:
+    """The sample variance (ddof 1); exactly 0 when all values are equal."""
+    return 0.0 if np.ptp(x) == 0 else float(x.var(ddof=1))
+
+
 def welch(a, b) -> dict:
     """Welch's t-test of mean(a) - mean(b) (float[n_a], float[n_b], unequal variances).
 
@@ -128,13 +140,11 @@ def welch(a, b) -> dict:
     `_betainc`), which is the Student-t two-sided tail.
     """
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    mean = lambda x: float(x[0]) if x.size and np.ptp(x) == 0 else float(x.mean()) if x.size else math.nan  # noqa: E731
-    var = lambda x: 0.0 if np.ptp(x) == 0 else float(x.var(ddof=1))  # noqa: E731
-    out = {"n_a": int(a.size), "n_b": int(b.size), "mean_a": mean(a), "mean_b": mean(b),
+    out = {"n_a": int(a.size), "n_b": int(b.size), "mean_a": _mean(a), "mean_b": _mean(b),
            "t": math.nan, "df": math.nan, "p": math.nan}
     if a.size < 2 or b.size < 2:
         return out
-    va, vb = var(a) / a.size, var(b) / b.size
+    va, vb = _var(a) / a.size, _var(b) / b.size
     if va + vb == 0:
         return out
     t = (out["mean_a"] - out["mean_b"]) / math.sqrt(va + vb)

@@ -207,8 +207,8 @@ def markdown(cfg: ExperimentConfig, res: dict, commands: Sequence[str], figures:
             lines.append(f"| {arm} | {_cell(d['d_accuracy'])} | {_cell(d['d_ece'])} | {rel_cell} |")
         lines += ["", "Each run (the seed-level values behind the rows above; the last columns give the "
                   "confidence the policy states most often, and on what share of the questions it states "
-                  "that value, or one within 5 points of it):", "",
-                  "| run | accuracy | ECE | AUROC | mean confidence | most stated | share | share within 5 |",
+                  f"that value, or one within {100 * stats.NEAR:g} points of it):", "",
+                  f"| run | accuracy | ECE | AUROC | mean confidence | most stated | share | share within {100 * stats.NEAR:g} |",
                   "|---|---|---|---|---|---|---|---|"]
         for run, r in sres["runs"].items():
             lines.append(f"| {run} | " + " | ".join("n/a" if math.isnan(r[k]) else f"{r[k]:.3f}"

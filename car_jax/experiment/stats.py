@@ -18,6 +18,7 @@ import numpy as np
 from car_jax.calibration import metrics
 
 REPORTED = ("accuracy", "ece", "mcip", "auroc", "brier", "mean_confidence")
+NEAR = 0.05  # "about one confidence": within this of the one stated most (modal_confidence)
 
 
 def arrays(records: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
@@ -53,7 +54,7 @@ def interval(draws: np.ndarray) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def modal_confidence(records: Sequence[dict], near: float = 0.05) -> dict[str, float]:
+def modal_confidence(records: Sequence[dict], near: float = NEAR) -> dict[str, float]:
     """{"value", "share", "near"}: the confidence one seed's policy states most often (ties: the
     smaller value), the share of its records that state it, and the share within `near` of it.
     A "near" share close to 1 means the policy says about one number whatever the question: its
@@ -120,7 +121,7 @@ def verdict(diff: dict, arm: str, base: str, split: str, acc_margin: float = 0.0
 def collapse_note(split: str, runs: dict[str, dict], share: float = 0.9, before: str = "warm") -> str | None:
     """The sentence on confidence collapse among trained policies ({run name: {"modal",
     "auroc"}} of one split; the run named `before`, the warm start, is the reference, not one of
-    them): which state about one confidence (within 5 points of the one they state most) on at
+    them): which state about one confidence (within NEAR of the one they state most) on at
     least `share` of the questions, and what their ECE does and does not measure then. None
     when none does."""
     start = runs.get(before)
@@ -133,7 +134,7 @@ def collapse_note(split: str, runs: dict[str, dict], share: float = 0.9, before:
     aurocs = [runs[n]["auroc"] for n in flat if not np.isnan(runs[n]["auroc"])]
     auroc = f" (their AUROC: median {np.median(aurocs):.2f})" if aurocs else ""
     return (f"{split}: {len(flat)} of the {len(runs)} trained policies state about one confidence (within "
-            f"5 points) on at least {100 * share:.0f}% of the questions ({said}). For them ECE measures how far that one number "
+            f"{100 * NEAR:g} points) on at least {100 * share:.0f}% of the questions ({said}). For them ECE measures how far that one number "
             f"is from their accuracy, not whether their confidence tells right answers from wrong ones{auroc}."
             + ("" if start is None else f" The warm start, before RL, states about "
                f"{100 * start['modal']['value']:.0f} on {100 * start['modal']['near']:.0f}% of the questions."))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from car_jax.config import ConfigError, load_config
-from car_jax.experiment import ExperimentConfig, stats
+from car_jax.experiment import ExperimentConfig, stats, verdict
 from car_jax.train.sft import demo_confidences
 from tests.hf_factory import build_agent
 
@@ -25,32 +25,22 @@ def _records(correct, q):
     return [{"correct": bool(c), "confidence": float(x)} for c, x in zip(correct, q)]
 
 
-def test_seed_averaged_point_and_bootstrap_interval():
+def test_seed_averaged_point_and_t_interval():
+    from scipy import stats as ss
+
     rng = np.random.default_rng(3)
     per_seed = [_records(rng.random(40) < p, rng.random(40)) for p in (0.3, 0.6, 0.5)]
-    s = stats.arm_summary(per_seed, n_boot=400, seed=1)
+    s = stats.arm_summary([{"records": r, "summary": {}} for r in per_seed], n_boot=400, seed=1)
     accs = [np.mean([r["correct"] for r in recs]) for recs in per_seed]
     eces = [_ece([r["correct"] for r in recs], [r["confidence"] for r in recs]) for recs in per_seed]
     assert s["accuracy"]["mean"] == pytest.approx(np.mean(accs)) and s["accuracy"]["per_seed"] == pytest.approx(accs)
     assert s["ece"]["mean"] == pytest.approx(np.mean(eces), abs=1e-6)
-    # the interval holds the point, and seeds that disagree widen it beyond one seed's own
-    assert s["accuracy"]["lo"] < s["accuracy"]["mean"] < s["accuracy"]["hi"]
-    one = stats.arm_summary([per_seed[1]] * 3, n_boot=400, seed=1)
-    assert one["accuracy"]["hi"] - one["accuracy"]["lo"] < s["accuracy"]["hi"] - s["accuracy"]["lo"]
-    d = stats.compare(s, one)
-    assert d["d_accuracy"]["mean"] == pytest.approx(np.mean(accs) - accs[1])
-    assert d["rel_ece"]["mean"] == pytest.approx(np.mean(eces) / eces[1] - 1, rel=1e-5)
-
-
-def test_verdict_reads_the_intervals():
-    lower = {"d_ece": {"mean": -0.1, "lo": -0.15, "hi": -0.05}, "d_accuracy": {"mean": 0.0, "lo": -0.02, "hi": 0.03}}
-    assert "supported" in stats.verdict(lower, "car", "vanilla", "id")
-    unsure = {**lower, "d_ece": {"mean": -0.02, "lo": -0.08, "hi": 0.03}}
-    assert "not resolved" in stats.verdict(unsure, "car", "vanilla", "id")
-    worse = {**lower, "d_ece": {"mean": 0.1, "lo": 0.02, "hi": 0.2}}
-    assert "contradicted" in stats.verdict(worse, "car", "vanilla", "id")
-    costly = {**lower, "d_accuracy": {"mean": -0.2, "lo": -0.3, "hi": -0.1}}
-    assert "accuracy drops" in stats.verdict(costly, "car", "vanilla", "id")
+    # over seeds: the Student t interval of the per-seed values (2 df), cut to [0, 1]
+    lo, hi = ss.t.interval(0.95, 2, loc=np.mean(accs), scale=ss.sem(accs))
+    assert (s["accuracy"]["lo"], s["accuracy"]["hi"]) == pytest.approx((max(lo, 0.0), min(hi, 1.0)), rel=1e-5)
+    # one run: the percentile bootstrap over its questions
+    one = stats.arm_summary([{"records": per_seed[1], "summary": {}}], n_boot=400, seed=1)
+    assert one["accuracy"]["lo"] < accs[1] < one["accuracy"]["hi"] and one["seeds"] == 1
 
 
 def test_modal_confidence_and_collapse_note():
@@ -60,10 +50,10 @@ def test_modal_confidence_and_collapse_note():
     runs = {"warm": {"modal": {"value": 0.07, "share": 0.4, "near": 0.5}, "auroc": 0.6},
             "car-s0": {"modal": {"value": 0.55, "share": 0.97, "near": 0.97}, "auroc": 0.5},
             "car-s1": {"modal": {"value": 0.3, "share": 0.2, "near": 0.4}, "auroc": 0.7}}
-    note = stats.collapse_note("id", runs)
+    note = verdict.collapse_note("id", runs)
     assert note.startswith("id: 1 of the 2 trained policies") and "car-s0 55 on 97%" in note
     assert "car-s1" not in note and "before RL, states about 7 on 50%" in note
-    assert stats.collapse_note("id", {k: v for k, v in runs.items() if k != "car-s0"}) is None
+    assert verdict.collapse_note("id", {k: v for k, v in runs.items() if k != "car-s0"}) is None
 
 
 def test_uninformative_demonstration_confidences():
@@ -137,9 +127,13 @@ def test_experiment_then_report_matches_its_samples(tiny, tmp_path, monkeypatch,
             got = res["splits"][split]["runs"][run]
             assert got["modal"]["value"] == pytest.approx(top) and got["modal"]["share"] == pytest.approx(q.count(top) / n)
             assert f"| {run} | {got['accuracy']:.3f} | {got['ece']:.3f} |" in md
-    # per split: a row in its metrics table and one in its comparison with the baseline
+    # per split: a row in its metrics table and one per compared metric against the baseline
     assert len([line for line in md.splitlines() if line.startswith("| car (1 seed) |")]) == 2
-    assert len([line for line in md.splitlines() if line.startswith("| car |")]) == 2
+    rows = [line for line in md.splitlines() if line.startswith("| car | ")]
+    assert [line.split(" | ")[1] for line in rows] == ["accuracy", "ece", "auroc"] * 2
+    # one seed: no seed-paired test, so only the McNemar tests (one per split) form Holm's family
+    assert res["holm_family"] == 2 and "no seed-paired test" in res["splits"]["id"]["verdicts"]["car"]
+    assert res["data_order"] == "per_seed" and res["shuffle_seeds"] == {"vanilla-s0": 0, "car-s0": 0}
     assert "Partial report" not in md
     eq = res["equivalence"]
     assert [s["step"] for s in eq["steps"]] == [1, 2]
@@ -181,7 +175,11 @@ def test_experiment_then_report_matches_its_samples(tiny, tmp_path, monkeypatch,
     assert car["auroc"]["mean"] == pytest.approx(0.75)  # pairs (0.9, 0.7) (0.9, 0.1) (0.35, 0.1) right, (0.35, 0.7) not
     assert car["accuracy"]["lo"] <= 0.5 <= car["accuracy"]["hi"] and car["accuracy"]["hi"] > car["accuracy"]["lo"]
     d = res["vs_baseline"]["car"]
-    assert d["d_accuracy"]["mean"] == pytest.approx(0.5 - base["accuracy"]["mean"])
+    assert d["accuracy"]["mean"] == pytest.approx(0.5 - base["accuracy"]["mean"])
+    # McNemar on the 4 paired questions, re-derived from the two samples files
+    cb = [s["correct"] for s in _lines(root / "evals" / "vanilla-s0" / "id" / "samples.jsonl")]
+    only_car = sum(c and not b for c, b in zip((True, False, True, False), cb))
+    assert d["accuracy"]["mcnemar"]["b"] == only_car
     assert "| car (1 seed) | 0.500" in (tmp_path / "rep" / "RESULTS.md").read_text()
 
     # an evaluation not finished yet: the report leaves that policy out of its split and says so
@@ -253,3 +251,38 @@ def test_pruned_folder_keeps_its_records_and_rebuilds_the_warm_start(tiny, tmp_p
     md = (root / "report" / "RESULTS.md").read_text()
     assert "rebuilt from its demonstrations 1 time(s)" in md and "identical" in md
     assert "Partial report" not in md
+
+
+def test_committed_experiment_keeps_its_shared_data_order(monkeypatch):
+    """results/experiment_world was run before per-seed data order: its saved config still
+    reads as shared (every run shuffle seed 0, as its runs' own configs say), all 32 units are
+    done, and its paired comparison re-derives from the samples files."""
+    from pathlib import Path
+
+    from car_jax.config import parse_yaml
+    from car_jax.experiment import plan, status
+    from car_jax.experiment.config import load_experiment
+    from car_jax.experiment.report import collect, paired_runs
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the saved config's dir is relative to the repository
+    cfg = load_experiment("results/experiment_world/experiment.yaml")
+    assert cfg.data_order == "shared"
+    for u in plan(cfg):
+        if u.kind == "train":
+            saved = parse_yaml((u.dir / "config.yaml").read_text())
+            assert saved["data"]["shuffle_seed"] == u.config.data.shuffle_seed == 0
+            assert saved["seed"] == u.config.seed
+    rows = status(cfg)
+    assert len(rows) == 32 and all(done for _, done in rows)
+    data = collect(cfg)
+    seeds, car, base = paired_runs(data["id"], "car", "vanilla")
+    assert seeds == [0, 1, 2]
+    got = stats.compare(car, base, ["accuracy", "ece"], n_boot=100)
+    for s, (a, b) in enumerate(zip(car, base)):
+        ca = {r["id"]: r["correct"] for r in a["records"]}
+        cb = {r["id"]: r["correct"] for r in b["records"]}
+        assert got["accuracy"]["mcnemar"]["per_seed"][s] == [sum(ca[i] and not cb[i] for i in cb),
+                                                             sum(cb[i] and not ca[i] for i in cb)]
+    eces = [[_ece([r["correct"] for r in x["records"]], [r["confidence"] for r in x["records"]]) for x in runs]
+            for runs in (car, base)]
+    assert got["ece"]["per_seed"] == pytest.approx(np.subtract(*eces), abs=1e-6)

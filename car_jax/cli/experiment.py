@@ -10,11 +10,13 @@ greedy evaluations, then the report (RESULTS.md, results.json, figures).
 
 Every unit resumes where it stopped, so the command can be stopped (Ctrl-C, a kill) and run
 again in as many sittings as it takes. The folder keeps the config it was started with
-(<dir>/experiment.yaml); another config for the same folder is refused.
+(<dir>/experiment.yaml); another config for the same folder is refused. A saved config from
+before a key existed reads that key as the folder's runs used it (`data_order: shared` for the
+folders made before each seed had its own data order).
 """
 from __future__ import annotations
 
-from car_jax.cli import add_config_args, load_config_args
+from car_jax.cli import add_config_args
 
 
 def register(sub) -> None:
@@ -36,14 +38,15 @@ def _check_folder(cfg) -> None:
     saved file, read with today's defaults for keys it lacks, must equal `cfg`)."""
     from pathlib import Path
 
-    from car_jax.config import ConfigError, load_config, save_config
-    from car_jax.experiment import ExperimentConfig
+    from car_jax.config import ConfigError, save_config
+    from car_jax.experiment.config import SAVED, load_experiment
 
-    path = Path(cfg.dir) / "experiment.yaml"
+    path = Path(cfg.dir) / SAVED
     if path.is_file():
         # read back through today's dataclasses: a key added to car_jax since the folder was
-        # started takes its default on both sides and is not a difference
-        if load_config(ExperimentConfig, path, []) != cfg:
+        # started takes its default on both sides and is not a difference, except the LEGACY
+        # keys, which take the value the folder's runs used (load_experiment)
+        if load_experiment(path) != cfg:
             raise ConfigError(f"dir: {cfg.dir} holds an experiment started with another config ({path}); "
                               f"rerun with --config {path}, or choose another dir=")
         return
@@ -51,12 +54,24 @@ def _check_folder(cfg) -> None:
     save_config(cfg, path)
 
 
+def _load(args):
+    """The experiment config of --config and the overrides; a folder's saved experiment.yaml
+    keeps the meaning it had when its runs were made (`config.load_experiment`)."""
+    from car_jax.config import ConfigError
+    from car_jax.experiment.config import load_experiment
+
+    try:
+        return load_experiment(args.config, args.overrides)
+    except FileNotFoundError as err:
+        raise ConfigError(f"--config: {err}") from None
+
+
 def _run(args) -> int:
     from pathlib import Path
 
-    from car_jax.experiment import ExperimentConfig, run_experiment, status, write_report
+    from car_jax.experiment import run_experiment, status, write_report
 
-    cfg = load_config_args(ExperimentConfig, args)
+    cfg = _load(args)
     saved = str(Path(cfg.dir) / "experiment.yaml")
     commands = [f"car-jax experiment --config {saved}",
                 f"car-jax experiment --config {saved} --report" + (f" --report-to {args.report_to}" if args.report_to else "")]

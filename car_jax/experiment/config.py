@@ -2,14 +2,17 @@
 rewards ("arms") are compared, over which seeds, from which shared warm start, evaluated on
 which splits. The training settings every run shares are a whole `TrainConfig` (section
 `train`); an arm only sets the reward. Loaded with `car_jax.config.load_config` like the
-train and eval configs, so a bad key fails before anything runs.
+train and eval configs, so a bad key fails before anything runs; `load_experiment` adds the
+one rule for folders saved by an older car_jax (LEGACY).
 """
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Literal, Sequence
 
 from car_jax.calibration.rewards import RewardConfig
-from car_jax.config import require
+from car_jax.config import load_config, parse_yaml, require
 from car_jax.eval.config import EvalDataConfig
 from car_jax.eval.runner import EVAL_EPISODE
 from car_jax.rollout.episode import EpisodeConfig
@@ -17,6 +20,11 @@ from car_jax.train.config import TrainConfig
 
 DEFAULT_ARMS = {"vanilla": RewardConfig(kind="binary"), "rlcr": RewardConfig(kind="brier"),
                 "car": RewardConfig(kind="mscr")}
+SAVED = "experiment.yaml"  # the config an experiment folder keeps (<dir>/experiment.yaml)
+# Keys a folder's saved config lacks when it was written before they existed, and the value
+# that gives the saved config its old meaning (today's default may differ): before per-seed
+# data order, every run shuffled with train.data.shuffle_seed.
+LEGACY = {"data_order": "shared"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +56,20 @@ class ExperimentEvalConfig:
     splits: dict[str, EvalDataConfig] = dataclasses.field(default_factory=lambda: {
         "id": EvalDataConfig(path="world", split="dev")})
     batch_size: int = 16
-    n_boot: int = 1000  # bootstrap resamples of the report's intervals
+    n_boot: int = 1000  # bootstrap resamples (a single run's interval; the paired question bootstrap)
     episode: EpisodeConfig = EVAL_EPISODE  # greedy
+    # the metrics each arm is compared on with the baseline (every one joins the report's Holm
+    # family): a name of stats.QUESTION_METRICS, or any numeric key of the evaluations' summary.json
+    compare: tuple[str, ...] = ("accuracy", "ece", "auroc")
+    power_delta: float = 0.05  # the report's power analysis: seeds for this ECE difference
 
     def __post_init__(self):
         require(len(self.splits) >= 1, "splits", self.splits, "at least one split")
         require(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1")
         require(self.n_boot >= 100, "n_boot", self.n_boot, ">= 100")
+        require({"accuracy", "ece"} <= set(self.compare) and len(set(self.compare)) == len(self.compare),
+                "compare", self.compare, "distinct metric names including accuracy and ece (the verdict reads them)")
+        require(self.power_delta > 0, "power_delta", self.power_delta, "> 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +91,10 @@ class ExperimentConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
     arms: dict[str, RewardConfig] = dataclasses.field(default_factory=lambda: dict(DEFAULT_ARMS))
     baseline: str = "vanilla"  # the arm the others are compared with
+    # "per_seed": run seed s trains on the data order of shuffle seed train.data.shuffle_seed + s
+    # (every arm of a seed sees the same prompts: paired; seeds differ). "shared": every run
+    # uses train.data.shuffle_seed (the experiments before per-seed order; LEGACY)
+    data_order: Literal["per_seed", "shared"] = "per_seed"
     train: TrainConfig = TrainConfig()  # shared settings; model.path is the base model, reward is the arm's
     warm_start: WarmStartConfig = WarmStartConfig()
     eval: ExperimentEvalConfig = ExperimentEvalConfig()
@@ -88,3 +107,27 @@ class ExperimentConfig:
         require(self.baseline in self.arms, "baseline", self.baseline, f"one of the arms {sorted(self.arms)}")
         bad = [a for a in self.arms if not a.replace("_", "").replace("-", "").isalnum()]
         require(not bad, "arms", bad, "names of letters, digits, '-' and '_' (they name run folders)")
+        require(self.data_order == "shared" or min(self.seeds) >= 0, "seeds", self.seeds,
+                "seeds >= 0 with data_order per_seed (each is a shuffle seed)")
+
+    def shuffle_seed(self, seed: int) -> int:
+        """The data order (train.data.shuffle_seed) of run seed `seed`."""
+        base = self.train.data.shuffle_seed
+        return base + seed if self.data_order == "per_seed" else base
+
+
+def is_saved_config(path: str | Path, cfg: ExperimentConfig) -> bool:
+    """Whether `path` is the config cfg's folder keeps (<cfg.dir>/experiment.yaml)."""
+    return Path(path).resolve() == (Path(cfg.dir) / SAVED).resolve()
+
+
+def load_experiment(path: str | Path | None, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """`load_config(ExperimentConfig, path, overrides)`, except that a folder's saved config
+    (`is_saved_config`) that lacks a LEGACY key reads it with its old value: the folder keeps
+    what its runs did. An override still wins (and a folder then refuses the changed config)."""
+    cfg = load_config(ExperimentConfig, path, overrides)
+    if path is None or not is_saved_config(path, cfg):
+        return cfg
+    raw = parse_yaml(Path(path).read_text(encoding="utf-8")) or {}
+    old = [f"{k}={v}" for k, v in LEGACY.items() if k not in raw]
+    return load_config(ExperimentConfig, path, [*old, *overrides]) if old else cfg

@@ -3,7 +3,9 @@ its own folder, run in order and skipped when already complete:
 
     <dir>/warm/                   SFT warm start (rl.steps = 0) on demonstrations written to
                                   warm/demos.jsonl; its policy is warm/hf
-    <dir>/runs/<arm>-s<seed>/     GRPO from warm/hf with the arm's reward and the seed
+    <dir>/runs/<arm>-s<seed>/     GRPO from warm/hf with the arm's reward, the seed, and the
+                                  seed's data order (cfg.shuffle_seed: with data_order per_seed
+                                  every arm of a seed sees the same prompts, seeds differ)
     <dir>/evals/<policy>/<split>/ the policy (warm, or a run) evaluated greedily on a split
     <dir>/equivalence/{mscr,weighted_brier}/  the two runs of the equivalence check
     <dir>/progress.jsonl          one line per finished unit: name, seconds, time
@@ -87,6 +89,9 @@ def plan(cfg: ExperimentConfig) -> list[Unit]:
         run=dataclasses.replace(t.run, export_hf=True)))]
     warm_model = dataclasses.replace(t.model, path=str(warm_dir / "hf"))
 
+    def seed_data(seed: int):  # run seed `seed`'s data order (cfg.data_order); the warm start keeps t.data
+        return dataclasses.replace(t.data, shuffle_seed=cfg.shuffle_seed(seed))
+
     def evals(policy: str, model: Path) -> list[Unit]:
         return [Unit(f"eval/{policy}/{split}", "eval", root / "evals" / policy / split, EvalConfig(
             seed=0, mode=EVAL_MODES[t.data.template], batch_size=cfg.eval.batch_size,
@@ -102,7 +107,7 @@ def plan(cfg: ExperimentConfig) -> list[Unit]:
         for arm, reward in cfg.arms.items():
             d = root / "runs" / f"{arm}-s{seed}"
             units.append(Unit(f"train/{arm}-s{seed}", "train", d, _train(
-                cfg, d, seed=seed, reward=reward, model=warm_model, sft=SFTConfig(),
+                cfg, d, seed=seed, reward=reward, model=warm_model, sft=SFTConfig(), data=seed_data(seed),
                 run=dataclasses.replace(t.run, export_hf=True))))
             units += evals(f"{arm}-s{seed}", d / "hf")
     eq = cfg.equivalence
@@ -111,7 +116,7 @@ def plan(cfg: ExperimentConfig) -> list[Unit]:
             d = root / "equivalence" / name
             units.append(Unit(f"equivalence/{name}", "equivalence", d, _train(
                 cfg, d, seed=cfg.seeds[0], reward=reward, model=warm_model, sft=SFTConfig(),
-                rl=dataclasses.replace(t.rl, steps=eq.steps),
+                data=seed_data(cfg.seeds[0]), rl=dataclasses.replace(t.rl, steps=eq.steps),
                 run=dataclasses.replace(t.run, export_hf=False, tensorboard=False))))
     return units
 

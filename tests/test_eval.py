@@ -10,9 +10,13 @@ import pytest
 import car_jax
 import car_jax.eval.runner as ev
 from car_jax.calibration import metrics
+from car_jax.config import ConfigError, load_config
 from car_jax.data import QAExample, load_dataset, world_retriever
+from car_jax.eval.config import EvalConfig
+from car_jax.rl import confidence as cf
 from car_jax.rollout.episode import Trajectory
-from tests.hf_factory import build
+from car_jax.rollout.generate import prompt_texts
+from tests.hf_factory import build, build_agent
 from tests.truncated import smollm2_short  # noqa: F401 (a fixture)
 
 FIELDS = {"id": str, "question": str, "golden_answers": list, "response": str, "confidence": float,
@@ -262,3 +266,138 @@ def test_compare_table_puts_each_metric_beside_its_change():
     assert rows["MCIP"] == ["n/a", "n/a", "n/a"]  # NaN counts as undefined
     assert rows["mean tool calls"] == ["1.000", "1.500", "+0.500"]
     assert lines[-1].split() == ["examples", "8", "8"]
+
+
+# ---------------------------------------------------------------- expected and sampled confidence
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    """A tiny random llama with SmolLM2's vocabulary and tokenizer (weights at 10x the default
+    scale, so its value distributions are far from uniform)."""
+    folder = build_agent(tmp_path_factory.mktemp("agent"), initializer_range=0.2)
+    return car_jax.load_model(folder), car_jax.load_tokenizer(folder)
+
+
+GREEDY = {"toy question 0?": "<think> a </think>\n<answer> answer 0 </answer>\n<confidence> 80 </confidence>",
+          "toy question 1?": "<answer> wrong </answer>\n<confidence>30</confidence>",
+          "toy question 2?": "<answer> answer 2 </answer>",
+          "toy question 3?": "<answer> nope </answer>\n<confidence> 95 </confidence>"}
+
+
+@pytest.fixture()
+def scripted_ids(monkeypatch):
+    """run_episodes scripted with real token ids (the prompts as the engine tokenizes them, the
+    responses as the model's own tokens): greedy calls answer GREEDY, sampled ones (temperature
+    > 0) answer right on even rows with confidence 10 + 20 (row % 4). Records each call."""
+    calls = []
+
+    def fake(model, tokenizer, prompts, tools, *, config, protocol, seed, stats):
+        calls.append({"questions": [p[-1]["content"].split(": ", 1)[1] for p in prompts], "config": config,
+                      "seed": seed})
+        out = []
+        for i, (question, text) in enumerate(zip(calls[-1]["questions"], prompt_texts(tokenizer, prompts))):
+            if config.temperature > 0:
+                answer = question.replace("toy question ", "answer ").rstrip("?") if i % 2 == 0 else "no"
+                response = f"<answer> {answer} </answer>\n<confidence> {10 + 20 * (i % 4)} </confidence>"
+            else:
+                response = GREEDY[question]
+            ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+            t = Trajectory(tokenizer(text, add_special_tokens=False)["input_ids"], ids, np.zeros(len(ids)),
+                           np.ones(len(ids), bool))
+            t.text, t.pieces, t.n_turns, t.answered = response, [(response, True)], 1, True
+            out.append(t)
+        return out
+
+    monkeypatch.setattr(ev, "run_episodes", fake)
+    return calls
+
+
+def test_expected_and_sampled_confidence_in_summary_and_samples(agent, scripted_ids, tmp_path):
+    model, tok = agent
+    examples = _toy_examples(4)
+    summary = ev.evaluate(model, tok, examples, mode="direct", out_dir=tmp_path, batch_size=4, n_boot=50,
+                          samples=2, sample_top_p=0.9, seed=3, info={"data": "toy"})
+    greedy, sampled = scripted_ids
+    assert greedy["config"].temperature == 0 and greedy["seed"] == 3
+    assert (sampled["config"].temperature, sampled["config"].top_p, sampled["config"].top_k) == (1.0, 0.9, 0)
+    assert sampled["seed"] == 3 + ev.SAMPLE_SEED and sampled["config"].max_turns == 0  # direct mode's one turn
+    assert sampled["questions"] == [e.question for e in examples for _ in range(2)]
+    rows = _lines(tmp_path / "samples.jsonl")
+
+    # per example: the expected q is value_distribution's at the response's own tag
+    for r, e in zip(rows, examples):
+        prompt = tok(prompt_texts(tok, [ev.make_prompt(e, "direct")])[0], add_special_tokens=False)["input_ids"]
+        found = cf.confidence_prefix(prompt, tok(GREEDY[e.question], add_special_tokens=False)["input_ids"], tok)
+        if found is None:  # no tag: q = 0, as a missing stated confidence
+            assert (r["expected_confidence"], r["confidence_dist"], r["confidence_mode"], r["confidence_tail"]) == \
+                (0.0, None, None, None)
+            continue
+        want = cf.value_distribution(model, tok, [found[0]], [found[1]])[0]
+        assert r["confidence_tail"] == found[1]
+        assert r["expected_confidence"] == pytest.approx(float(cf.expected_q(want[None])[0]), abs=1e-6)
+        assert r["confidence_mode"] == int(np.argmax(want))
+        dist = np.array(r["confidence_dist"])  # rounded to 6 decimals: enough to re-derive q
+        assert dist.shape == (101,) and dist.sum() == pytest.approx(1.0, abs=1e-4)
+        assert dist @ (np.arange(101) / 100) == pytest.approx(r["expected_confidence"], abs=5e-5)
+    assert [r["confidence_tail"] for r in rows] == [" {} </confidence>", "{}</confidence>", None, " {} </confidence>"]
+    assert len({r["expected_confidence"] for r in rows}) == 4  # four different numbers
+    assert [[s["correct"] for s in r["sampled"]] for r in rows] == [[True, False]] * 4
+    assert [s["confidence"] for r in rows for s in r["sampled"]] == pytest.approx([0.1, 0.3, 0.5, 0.7] * 2)
+
+    # summary.json: each section re-derived from samples.jsonl
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    _check_summary_matches(on_disk, rows)
+    c = [r["correct"] for r in rows]
+    pooled = [s for r in rows for s in r["sampled"]]
+    for section, (cc, qq) in {"expected": (c, [r["expected_confidence"] for r in rows]),
+                              "sampled": ([s["correct"] for s in pooled], [s["confidence"] for s in pooled])}.items():
+        with pytest.warns(RuntimeWarning) if len(set(cc)) == 1 else _nothing():
+            want = metrics.calibration(cc, qq)
+        for key in metrics.KEYS:
+            got = on_disk[section][key]
+            assert (got is None and math.isnan(want[key])) or got == pytest.approx(want[key], abs=1e-7), (section, key)
+    assert on_disk["expected"]["tag_rate"] == pytest.approx(0.75) and on_disk["expected"]["ci95"]["ece"]
+    assert (on_disk["sampled"]["k"], on_disk["sampled"]["episodes"]) == (2, 8)
+    assert on_disk["sampled"]["accuracy"] == pytest.approx(0.5) and "ci95" not in on_disk["sampled"]
+    assert on_disk["run"]["sampled_episodes"]["sampler"]["top_p"] == 0.9
+    assert summary["expected"]["ece"] == pytest.approx(on_disk["expected"]["ece"])
+    for name in ("reliability.png", "reliability_expected.png", "reliability_sampled.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+    table = ev.format_table(summary)
+    assert "expected q at the tag (tag in 0.750)" in table and "sampled episodes (k=2, 8 in all)" in table
+    lines = ev.compare_table({"before": summary, "after": summary}).splitlines()
+    names = [" ".join(line.split()[:-3]) for line in lines[2:]]
+    assert {"ECE, expected q", "AUROC, expected q", "Brier, expected q", "ECE, sampled", "Brier, sampled"} <= set(names)
+    assert "ECE, sampled" not in ev.compare_table({"x": {k: v for k, v in summary.items() if k != "sampled"}})
+
+
+def test_summarize_without_every_expected_confidence_warns(tmp_path):
+    rows = [{"correct": True, "confidence": 0.9, "expected_confidence": 0.7},
+            {"correct": False, "confidence": 0.2}]
+    summary = ev.summarize(rows, n_boot=0)
+    assert "expected" not in summary and "sampled" not in summary
+    assert any("1 of 2 records have no expected_confidence" in w for w in summary["warnings"])
+    rows[1]["expected_confidence"] = 0.1
+    rows[0]["sampled"], rows[1]["sampled"] = [{"correct": True, "confidence": 0.5}], []
+    summary = ev.summarize(rows, n_boot=0)
+    assert summary["expected"]["auroc"] == pytest.approx(1.0) and "sampled" not in summary
+    assert any("not one k for all" in w for w in summary["warnings"])
+
+
+def test_eval_config_samples_keys_reach_evaluate(monkeypatch, tmp_path):
+    import car_jax.eval.job as job
+
+    cfg = load_config(EvalConfig, None, ["samples=3", "sample_top_p=0.5", "mode=direct", "data.limit=2",
+                                         f"output.dir={tmp_path}"])
+    assert (cfg.samples, cfg.sample_top_p, EvalConfig().samples, EvalConfig().sample_top_p) == (3, 0.5, 0, 0.95)
+    for bad, key in (("samples=-1", "samples"), ("sample_top_p=0", "sample_top_p"),
+                     ("sample_top_p=1.5", "sample_top_p")):
+        with pytest.raises(ConfigError, match=key):
+            load_config(EvalConfig, None, [bad])
+    seen = {}
+    monkeypatch.setattr(job, "load_eval_model", lambda model_cfg, mesh: (None, None, "a model"))
+    monkeypatch.setattr(job, "evaluate", lambda *args, **kwargs: seen.update(kwargs) or {})
+    job.run_eval(cfg, progress=False)
+    assert (seen["samples"], seen["sample_top_p"]) == (3, 0.5)
+    with pytest.raises(ValueError, match="samples=-2 must be >= 0"):
+        ev.evaluate(None, None, _toy_examples(1), mode="direct", out_dir=tmp_path / "x", samples=-2)

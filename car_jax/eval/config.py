@@ -8,6 +8,11 @@ default, `mesh.devices=0` for all of them, which a run on several processes need
     car-jax eval model.path=runs/car/hf data.path=world data.split=dev mode=search
     car-jax eval data.path=simpleqa_verified.csv tools.retriever=http://127.0.0.1:8000/retrieve
     car-jax eval mesh.devices=0 ...   # every device (of every process: jax.distributed)
+    car-jax eval samples=4 ...        # also 4 sampled episodes per question (T = 1, top_p 0.95)
+
+Every run with a model also reports the expected confidence at each greedy episode's tag
+(`car_jax.rl.confidence`; see `car_jax.eval.runner`); `samples=k` adds k sampled episodes
+per question, at temperature 1 and top_p `sample_top_p`, seeded by `seed`.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import dataclasses
 from typing import Literal
 
 from car_jax.config import require
-from car_jax.eval.runner import EVAL_EPISODE
+from car_jax.eval.runner import EVAL_EPISODE, SAMPLE_TOP_P
 from car_jax.models.config import DTYPES
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
@@ -68,7 +73,13 @@ class EvalConfig:
     # them, rows of a batch split over mesh.fsdp (a short batch is padded with copies of its
     # last example). A run on several processes needs a mesh over all of them: mesh.devices=0
     mesh: MeshConfig = MeshConfig(devices=1)
+    # sampled episodes per question beside the greedy one (0: none), at temperature 1
+    # (`runner.SAMPLE_TEMPERATURE`) and this top_p (Search-R1's rollout setting), top_k off
+    samples: int = 0
+    sample_top_p: float = SAMPLE_TOP_P
 
     def __post_init__(self):
         require(self.seed >= 0, "seed", self.seed, ">= 0")
         require(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1")
+        require(self.samples >= 0, "samples", self.samples, ">= 0 (sampled episodes per question; 0: none)")
+        require(0 < self.sample_top_p <= 1, "sample_top_p", self.sample_top_p, "in (0, 1]")

@@ -76,5 +76,5 @@ def run_eval(cfg: EvalConfig, *, label: str | None = None, progress: bool = True
             f"out {out}")
         return evaluate(model, tokenizer, examples, mode=cfg.mode, tools=box.tools, episode_config=cfg.episode,
                         out_dir=out, batch_size=cfg.batch_size, resume=cfg.output.resume, n_boot=cfg.output.n_boot,
-                        seed=cfg.seed, progress=progress,
+                        seed=cfg.seed, progress=progress, samples=cfg.samples, sample_top_p=cfg.sample_top_p,
                         info={"model": label or str(model_path), "data": data, "tool": box.label})

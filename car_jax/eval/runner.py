@@ -21,7 +21,31 @@ Files written to `out_dir`:
     summary.json     metrics (`car_jax.calibration.metrics.calibration`) over all examples, percentile
                      bootstrap 95% intervals, mean turns / tool calls, format-valid rate,
                      per-kind breakdown; NaN (undefined AUROC / MCIP) is written as null
-    reliability.png  reliability diagram
+    reliability.png  reliability diagram of the stated confidence (greedy episodes);
+                     reliability_expected.png of the expected confidence, and
+                     reliability_sampled.png of the sampled episodes when they ran
+
+Three confidences are scored, each with ECE, AUROC, Brier and the rest of
+`car_jax.calibration.metrics.KEYS` (summary.json: the top level, `expected`, `sampled`):
+- stated: the number the greedy episode wrote (q = 0 when missing, SPEC 4);
+- expected (with a model): the policy's expected confidence at the greedy episode's last
+  `<confidence>` tag, sum_v P(v) v / 100 over its next-token distribution on the values
+  0..100, from one batched teacher-forced pass over the 101 continuations after the
+  episode's own tokens (`car_jax.rl.confidence`: tokenization, the token boundary at the
+  tag, the model's layout), at the last tag the model wrote itself (a tag inside a tool's
+  observation does not count). A response without one has expected q = 0, the convention
+  of a missing stated confidence (`tag_rate` in the section: the share with a tag). samples.jsonl keeps, per example, `expected_confidence`,
+  `confidence_mode` (the most probable value), `confidence_dist` (the 101 probabilities,
+  rounded to 6 decimals) and `confidence_tail` (the continuation pattern), null without a
+  tag; the summary's `expected` section is computed from `expected_confidence`;
+- sampled (`samples=k`, 0 = off): k more episodes per question at temperature
+  SAMPLE_TEMPERATURE = 1 (the policy's own distribution) and top_p `sample_top_p` (default
+  0.95, Search-R1's rollout setting, SPEC 6), top_k off, seeded (`seed` + SAMPLE_SEED +
+  the batch offset; episode i of a call draws from its own stream), scored like the greedy
+  ones. samples.jsonl keeps them per example as `sampled` (answer, correct, confidence,
+  confidence_ok, format_ok, n_turns, n_tool_calls; no response text); the `sampled` section
+  pools the k x N episodes, without bootstrap intervals (the k episodes of a question are
+  not the independent draws `metrics.bootstrap_ci` resamples).
 
 A batch's episodes run in the episode engine (`car_jax.rollout.engine`), as training's do:
 at most `episode.max_concurrent` of them at once (0: the whole batch), tools overlapping
@@ -56,11 +80,16 @@ from car_jax.calibration.plots import reliability_diagram
 from car_jax.calibration.rewards import reward_inputs
 from car_jax.data.examples import QAExample
 from car_jax.data.prompts import make_prompt
+from car_jax.rl.confidence import confidence_prefix, expected_q, mode_value, value_distribution
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
 from car_jax.rollout.protocols import TIR, Mixed, car_search
 from car_jax.rollout.toolbox import tool_names
 
 SAMPLES_FILE, SUMMARY_FILE, PLOT_FILE = "samples.jsonl", "summary.json", "reliability.png"
+EXPECTED_PLOT, SAMPLED_PLOT = "reliability_expected.png", "reliability_sampled.png"
+SAMPLE_TEMPERATURE = 1.0  # the sampled episodes' temperature: the policy's own distribution
+SAMPLE_TOP_P = 0.95  # their default top_p: Search-R1's rollout setting (SPEC 6), training's default
+SAMPLE_SEED = 1_000_003  # the sampled episodes' seed: seed + SAMPLE_SEED + the batch's offset
 # greedy decoding (Search-R1's validation), 4 search turns of 500 tokens, 500-token observations
 EVAL_EPISODE = EpisodeConfig(max_turns=4, max_response_tokens=500, max_obs_tokens=500, temperature=0.0, top_p=1.0)
 
@@ -179,16 +208,69 @@ def _num(x):
     return None if isinstance(x, float) and math.isnan(x) else x
 
 
+def _scored(c, q, n_boot: int, seed: int) -> dict:
+    """The metrics (`metrics.calibration`) of bool[B] correctness and float[B] confidence,
+    NaN as None, with their percentile bootstrap 95% intervals under "ci95" ({} for n_boot 0)."""
+    m = metrics.calibration(c, q)
+    ci = metrics.bootstrap_ci(c, q, n_boot=n_boot, seed=seed) if n_boot else {}
+    out = {k: _num(v) for k, v in m.items()}
+    out["ci95"] = {k: [_num(lo), _num(hi)] for k, (lo, hi) in ci.items()}
+    return out
+
+
+def _expected_section(samples: Sequence[dict], n_boot: int, seed: int) -> dict | None:
+    """The metrics of the expected confidence (every record's `expected_confidence`), and
+    the share of responses with a `<confidence>` tag; None (with a warning when only some
+    records have it) unless every record has one."""
+    have = sum("expected_confidence" in s for s in samples)
+    if have < len(samples):
+        if have:
+            warnings.warn(f"{len(samples) - have} of {len(samples)} records have no expected_confidence "
+                          "(samples from an earlier run?): no expected-confidence metrics")
+        return None
+    c = np.array([s["correct"] for s in samples], bool)
+    q = np.array([s["expected_confidence"] for s in samples], np.float64)
+    tagged = float(np.mean([s.get("confidence_dist") is not None for s in samples]))
+    return {**_scored(c, q, n_boot, seed), "tag_rate": tagged}
+
+
+def _sampled_section(samples: Sequence[dict]) -> dict | None:
+    """The metrics of every record's k sampled episodes pooled (k x N of them; no
+    intervals, see the module docstring), their format and confidence rates and mean tool
+    calls; None (with a warning when only some records have them, or k differs) unless
+    every record holds the same number k >= 1 of them."""
+    lists = [s.get("sampled") for s in samples]
+    ks = {len(x) for x in lists if x}
+    if not any(lists):
+        return None
+    if len(ks) > 1 or not all(lists):
+        warnings.warn(f"sampled episodes: records hold {sorted(ks | ({0} if not all(lists) else set()))} of them, "
+                      "not one k for all (samples from several runs?): no sampled metrics")
+        return None
+    pooled = [e for x in lists for e in x]
+    out = _scored([e["correct"] for e in pooled], [e["confidence"] for e in pooled], 0, 0)
+    del out["ci95"]
+    out.update(k=ks.pop(), episodes=len(pooled))
+    for key, field in (("format_rate", "format_ok"), ("confidence_rate", "confidence_ok"),
+                       ("mean_tool_calls", "n_tool_calls")):
+        out[key] = float(np.mean([float(e[field]) for e in pooled])) if all(field in e for e in pooled) else None
+    return out
+
+
 def summarize(samples: Sequence[dict], n_boot: int = 1000, seed: int = 0) -> dict:
-    """Sample records -> the summary dict (metric names of `car_jax.calibration.metrics.KEYS` at top level)."""
+    """Sample records -> the summary dict (metric names of `car_jax.calibration.metrics.KEYS`
+    at top level: the stated confidence), with an `expected` section (records with
+    `expected_confidence`) and a `sampled` one (records with `sampled` episodes) when
+    the records hold them."""
     c = np.array([s["correct"] for s in samples], bool)
     q = np.array([s["confidence"] for s in samples], np.float32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        m = metrics.calibration(c, q)
-        ci = metrics.bootstrap_ci(c, q, n_boot=n_boot, seed=seed) if n_boot else {}
-    out = {k: _num(v) for k, v in m.items()}
-    out["ci95"] = {k: [_num(lo), _num(hi)] for k, (lo, hi) in ci.items()}
+        out = _scored(c, q, n_boot, seed)
+        for name, section in (("expected", _expected_section(samples, n_boot, seed)),
+                              ("sampled", _sampled_section(samples))):
+            if section is not None:
+                out[name] = section
     for key, field in (("mean_turns", "n_turns"), ("mean_tool_calls", "n_tool_calls"),
                        ("format_rate", "format_ok"), ("confidence_rate", "confidence_ok"),
                        ("answered_rate", "answered")):
@@ -206,14 +288,34 @@ def _subset(rows: list[dict]) -> dict:
             "format_rate": float(np.mean([r["format_ok"] for r in rows]))}
 
 
-def format_table(summary: dict) -> str:
-    """A short text table of the main numbers with their 95% intervals."""
-    def cell(key):
-        v, ci = summary.get(key), summary.get("ci95", {}).get(key)
-        if v is None:
-            return "n/a"
-        return f"{v:.3f}" + (f"  [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci else "")
+def _cell(section: dict, key: str) -> str:
+    """A value with its 95% interval when the section has one; n/a when undefined."""
+    v, ci = section.get(key), section.get("ci95", {}).get(key)
+    if v is None:
+        return "n/a"
+    return f"{v:.3f}" + (f"  [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci else "")
 
+
+CONFIDENCE_ROWS = (("ECE", "ece"), ("AUROC", "auroc"), ("Brier", "brier"), ("mean confidence", "mean_confidence"))
+
+
+def _section_rows(summary: dict) -> list[tuple[str, str]]:
+    """The table's rows for the expected and the sampled confidence, where the summary has them."""
+    rows = []
+    if (e := summary.get("expected")) is not None:
+        rows.append((f"expected q at the tag (tag in {e['tag_rate']:.3f})", ""))
+        rows += [(f"  {label}", _cell(e, key)) for label, key in CONFIDENCE_ROWS]
+    if (s := summary.get("sampled")) is not None:
+        rows.append((f"sampled episodes (k={s['k']}, {s['episodes']} in all)", ""))
+        rows += [(f"  {label}", _cell(s, key)) for label, key in (("accuracy", "accuracy"), *CONFIDENCE_ROWS)]
+    return rows
+
+
+def format_table(summary: dict) -> str:
+    """A short text table of the main numbers with their 95% intervals: the stated
+    confidence's, then the expected confidence's and the sampled episodes' when the
+    summary has them."""
+    cell = functools.partial(_cell, summary)
     rows = [("examples", str(summary["n"])), ("accuracy", cell("accuracy")), ("ECE", cell("ece")),
             ("MCIP", cell("mcip")), ("AUROC", cell("auroc")), ("Brier", cell("brier")),
             ("mean confidence", cell("mean_confidence"))]
@@ -221,31 +323,43 @@ def format_table(summary: dict) -> str:
                        ("mean_tool_calls", "mean tool calls")):
         if summary.get(key) is not None:
             rows.append((label, f"{summary[key]:.3f}"))
+    rows += _section_rows(summary)
     for kind, sub in summary.get("by_kind", {}).items():
         rows.append((f"  {kind} (n={sub['n']})", f"acc {sub['accuracy']:.3f}, mean q {sub['mean_confidence']:.3f}"))
     width = max(len(r[0]) for r in rows)
     head = f"mode {summary.get('mode', '?')}  (95% bootstrap intervals)"
-    return "\n".join([head] + [f"{k.ljust(width)}  {v}" for k, v in rows])
+    return "\n".join([head] + [f"{k.ljust(width)}  {v}".rstrip() for k, v in rows])
 
 
 COMPARE_ROWS = (("accuracy", "accuracy"), ("ECE", "ece"), ("MCIP", "mcip"), ("AUROC", "auroc"),
                 ("Brier", "brier"), ("mean confidence", "mean_confidence"), ("format valid", "format_rate"),
-                ("mean tool calls", "mean_tool_calls"))
+                ("mean tool calls", "mean_tool_calls"),
+                # the sections' rows (section.key), shown when some summary has the section
+                ("ECE, expected q", "expected.ece"), ("AUROC, expected q", "expected.auroc"),
+                ("Brier, expected q", "expected.brier"), ("accuracy, sampled", "sampled.accuracy"),
+                ("ECE, sampled", "sampled.ece"), ("AUROC, sampled", "sampled.auroc"),
+                ("Brier, sampled", "sampled.brier"))
 
 
 def compare_table(summaries: dict[str, dict]) -> str:
     """One text table with a column per summary ({column label: summary}), a row per metric
-    (accuracy, ECE, MCIP, AUROC, Brier, mean confidence, format valid, mean tool calls), and
-    the last column minus the first. Undefined values (AUROC of a one-class set) print n/a."""
+    (accuracy, ECE, MCIP, AUROC, Brier, mean confidence, format valid, mean tool calls; then
+    ECE, AUROC and Brier of the expected confidence and of the sampled episodes where any
+    summary has them), and the last column minus the first. Undefined values (AUROC of a
+    one-class set, a section a summary lacks) print n/a."""
     labels = list(summaries)
 
     def value(summary, key):
-        v = summary.get(key)
+        section, _, name = key.rpartition(".")
+        v = (summary.get(section) or {}).get(name) if section else summary.get(name)
         return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
     head = ["metric", *labels] + (["change"] if len(labels) > 1 else [])
     body = []
     for name, key in COMPARE_ROWS:
+        section = key.rpartition(".")[0]
+        if section and not any(summaries[label].get(section) for label in labels):
+            continue
         vals = [value(summaries[label], key) for label in labels]
         cells = ["n/a" if v is None else f"{v:.3f}" for v in vals]
         if len(labels) > 1:
@@ -259,10 +373,13 @@ def compare_table(summaries: dict[str, dict]) -> str:
 
 
 # ---------------------------------------------------------------- the loop
-def _run_batch(run: Callable, batch: list[QAExample], template: str, mode: str, mesh) -> tuple[list[dict], int]:
+def _run_batch(run: Callable, batch: list[QAExample], template: str, mode: str, mesh,
+               tokenizer=None) -> tuple[list[dict], int, list]:
     """One batch's episodes (`run(prompts)`: run_episodes with the loop's settings) ->
     (its sample records in batch order, in every process; tokens the model sampled for
-    them). On a mesh the rows are padded with copies of the last example to a multiple
+    them; each episode's confidence prefix, `rl.confidence.confidence_prefix` of its own
+    tags (None without a tag, or when no tokenizer is given), in batch order in every
+    process). On a mesh the rows are padded with copies of the last example to a multiple
     of fsdp and each process runs its block of them; padded rows' results are dropped."""
     rows = batch + [batch[-1]] * (-len(batch) % (1 if mesh is None else mesh.shape["fsdp"]))
     mine = hosts.local_rows(len(rows), mesh)
@@ -273,16 +390,59 @@ def _run_batch(run: Callable, batch: list[QAExample], template: str, mode: str, 
     for rec, t in zip(records, trajs):
         rec.update(n_turns=t.n_turns, n_tool_calls=t.n_tool_calls, answered=t.answered,
                    tool_requests=[log["request"] for log in t.tool_log])
-    parts = hosts.allgather_objects({"start": mine.start, "records": records,
+    prefixes = [None] * len(trajs) if tokenizer is None else [
+        confidence_prefix(t.prompt_ids, t.response_ids, tokenizer, sampled=t.loss_mask) for t in trajs]
+    parts = hosts.allgather_objects({"start": mine.start, "records": records, "prefixes": prefixes,
                                      "sampled": sum(int(t.loss_mask.sum()) for t in trajs)})
     parts.sort(key=lambda p: p["start"])
-    return [r for p in parts for r in p["records"]], sum(p["sampled"] for p in parts)
+    return ([r for p in parts for r in p["records"]], sum(p["sampled"] for p in parts),
+            [x for p in parts for x in p["prefixes"]])
+
+
+NO_TAG = {"expected_confidence": 0.0, "confidence_mode": None, "confidence_dist": None, "confidence_tail": None}
+
+
+def expected_fields(model, tokenizer, prefixes: Sequence) -> list[dict]:
+    """Each episode's expected-confidence fields for its record, from its confidence prefix
+    ((prefix ids, tail pattern), or None: no tag): `expected_confidence` (q in [0, 1]; 0
+    without a tag, as a missing stated confidence), `confidence_mode` (the most probable
+    value 0..100), `confidence_dist` (the 101 probabilities, rounded to 6 decimals) and
+    `confidence_tail`; None in the last three without a tag. One `value_distribution` pass
+    over the episodes with a tag (every process calls it with the same prefixes)."""
+    tagged = [i for i, p in enumerate(prefixes) if p is not None]
+    out = [dict(NO_TAG) for _ in prefixes]
+    if not tagged:
+        return out
+    dist = value_distribution(model, tokenizer, [prefixes[i][0] for i in tagged], [prefixes[i][1] for i in tagged])
+    q, top = np.clip(expected_q(dist), 0.0, 1.0), mode_value(dist)
+    for j, i in enumerate(tagged):
+        out[i] = {"expected_confidence": float(q[j]), "confidence_mode": int(top[j]),
+                  "confidence_dist": [round(float(p), 6) for p in dist[j]], "confidence_tail": prefixes[i][1]}
+    return out
+
+
+SAMPLED_FIELDS = ("answer", "correct", "confidence", "confidence_ok", "format_ok", "n_turns", "n_tool_calls")
+
+
+def _sampled_episodes(run: Callable, batch: list[QAExample], k: int, template: str, mode: str,
+                      mesh) -> tuple[list[list[dict]], int]:
+    """k sampled episodes of each example of the batch (`run`: run_episodes at the sampled
+    settings) -> (per example its k scored episodes, SAMPLED_FIELDS only; tokens sampled)."""
+    records, n_sampled, _ = _run_batch(run, [e for e in batch for _ in range(k)], template, mode, mesh)
+    kept = [{f: r[f] for f in SAMPLED_FIELDS} for r in records]
+    return [kept[i * k:(i + 1) * k] for i in range(len(batch))], n_sampled
+
+
+def sampled_config(config: EpisodeConfig, top_p: float = SAMPLE_TOP_P) -> EpisodeConfig:
+    """The sampled episodes' settings: `config` at SAMPLE_TEMPERATURE, `top_p`, top_k off."""
+    return dataclasses.replace(config, temperature=SAMPLE_TEMPERATURE, top_p=top_p, top_k=0)
 
 
 def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "search",
              tools: dict | None = None, episode_config: EpisodeConfig = EVAL_EPISODE,
              out_dir: str | Path, batch_size: int = 8, resume: bool = False, n_boot: int = 1000,
-             seed: int = 0, progress: bool = True, info: dict | None = None) -> dict:
+             seed: int = 0, progress: bool = True, info: dict | None = None, samples: int = 0,
+             sample_top_p: float = SAMPLE_TOP_P) -> dict:
     """Runs `mode` on every example, writes samples.jsonl / summary.json / reliability.png to
     `out_dir`, returns the summary dict.
 
@@ -291,7 +451,12 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
     (default greedy, 4 turns, 500 tokens per turn); direct mode forces `max_turns=0`.
     resume=False refuses to write into a folder that already has samples (pass resume=True
     to continue it, or another out_dir). `info` (model, dataset, ...) is copied into the summary.
+    With a model, each greedy episode's expected confidence is measured at its tag
+    (`expected_fields`); `samples` = k >= 1 runs k sampled episodes per example as well
+    (`sampled_config(episode_config, sample_top_p)`; see the module docstring).
     """
+    if samples < 0:
+        raise ValueError(f"samples={samples} must be >= 0 (sampled episodes per example; 0: none)")
     spec = get_mode(mode)
     examples = list(examples)
     if not examples:
@@ -325,11 +490,26 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
     by_id = {r["id"]: r for r in done_rows}  # the summary's records, kept here (not re-read from the file)
     n_seen = len(examples) - len(todo)
     n_right = sum(r["correct"] for r in done_rows if r["id"] in wanted)
+    sample_cfg = sampled_config(config, sample_top_p)
+    seconds_expected = 0.0
     for start in range(0, len(todo), batch_size):
         batch = todo[start:start + batch_size]
         run = functools.partial(run_episodes, model, tokenizer, tools=tools, config=config, protocol=spec.protocol(),
                                 seed=seed + start, stats=stats)
-        records, n_sampled = _run_batch(run, batch, spec.template, mode, mesh)
+        records, n_sampled, prefixes = _run_batch(run, batch, spec.template, mode, mesh,
+                                                  None if model is None else tokenizer)
+        if model is not None:  # no model: tests script run_episodes
+            t_expected = time.perf_counter()
+            for rec, fields in zip(records, expected_fields(model, tokenizer, prefixes)):
+                rec.update(fields)
+            seconds_expected += time.perf_counter() - t_expected
+        if samples:
+            run = functools.partial(run_episodes, model, tokenizer, tools=tools, config=sample_cfg,
+                                    protocol=spec.protocol(), seed=seed + SAMPLE_SEED + start, stats=stats)
+            per_example, n_more = _sampled_episodes(run, batch, samples, spec.template, mode, mesh)
+            for rec, episodes in zip(records, per_example):
+                rec["sampled"] = episodes
+            n_sampled += n_more
         if hosts.is_writer():
             _append(path, records)
         by_id.update((r["id"], r) for r in records)
@@ -340,8 +520,8 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
         bar.set_postfix(acc=f"{n_right / n_seen:.3f}")
     bar.close()
 
-    samples = [by_id[e.id] for e in examples]
-    summary = {"mode": mode, **(info or {}), **summarize(samples, n_boot=n_boot, seed=seed)}
+    rows = [by_id[e.id] for e in examples]
+    summary = {"mode": mode, **(info or {}), **summarize(rows, n_boot=n_boot, seed=seed)}
     # times: the slowest process's (each process times its own rows' tools)
     seconds, device, tool = hosts.allgather(np.array([[time.perf_counter() - t0, stats.seconds_device,
                                                        stats.seconds_tools]])).max(axis=0).tolist()
@@ -350,13 +530,22 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
                       "slot_utilisation": _num(stats.utilisation(sampled)),  # the engine's, over every batch
                       "episode": {"max_turns": config.max_turns, "max_response_tokens": config.max_response_tokens,
                                   "max_obs_tokens": config.max_obs_tokens, "max_concurrent": config.max_concurrent,
-                                  "sampler": dataclasses.asdict(config.sampler)}}
+                                  "sampler": dataclasses.asdict(config.sampler)},
+                      "seconds_expected": seconds_expected,  # the expected-confidence passes
+                      "sampled_episodes": {"k": samples, "seed": seed + SAMPLE_SEED,
+                                           "sampler": dataclasses.asdict(sample_cfg.sampler)} if samples else None}
     if not hosts.is_writer():
         return summary
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
 
-    c = [s["correct"] for s in samples]
-    q = [s["confidence"] for s in samples]
+    c = [s["correct"] for s in rows]
     title = f"{mode} on {info['data']}" if info and "data" in info else mode
-    reliability_diagram(c, q, out / PLOT_FILE, title=title)
+    reliability_diagram(c, [s["confidence"] for s in rows], out / PLOT_FILE, title=title)
+    if "expected" in summary:
+        reliability_diagram(c, [s["expected_confidence"] for s in rows], out / EXPECTED_PLOT,
+                            title=f"{title}, expected q at the tag")
+    if "sampled" in summary:
+        pooled = [e for s in rows for e in s["sampled"]]
+        reliability_diagram([e["correct"] for e in pooled], [e["confidence"] for e in pooled], out / SAMPLED_PLOT,
+                            title=f"{title}, sampled (k={summary['sampled']['k']})")
     return summary

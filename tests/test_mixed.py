@@ -14,6 +14,7 @@ import pytest
 
 import car_jax
 from car_jax.calibration import parsing
+from car_jax.calibration.rewards import RewardInputs
 from car_jax.config import load_config
 from car_jax.data import TEMPLATES, load_dataset
 from car_jax.rollout import protocols
@@ -22,7 +23,9 @@ from car_jax.rollout.protocols import ANSWER, INVALID, TIR, Action, Mixed, Searc
 from car_jax.rollout.stops import matches
 from car_jax.rollout.toolbox import ToolsConfig, open_tools, tool_names
 from car_jax.train.config import TrainConfig
+from car_jax.train.log import read_metrics
 from tests.hf_factory import build_agent
+from tests.test_group_stats import assert_matches, reference_stats
 from tests.test_pilot import cache  # noqa: F401 - the module-wide car_jax cache fixture
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -183,7 +186,11 @@ def test_malformed_and_unknown_calls_get_observations(setup):
 def test_tiny_mixed_training_run(agent, cache, tmp_path, monkeypatch):
     """configs/smollm2_mixed_cpu.yaml shrunk onto a tiny random policy: the SFT warm start on
     both tools' demonstrations, then a GRPO step whose episodes call both tools (a scripted
-    parse routes them, as a random policy writes no tags)."""
+    parse routes them, as a random policy writes no tags). The step's row holds the group
+    statistics (`rl.group_stats`) of its rollouts, re-derived in numpy from the HostBatch the
+    step built and the rewards and advantages its scorer gave; the rows' reward inputs are
+    scripted (a random policy writes no answers): a mixed group and an all-wrong one whose
+    rewards differ by ~2e-2."""
     import car_jax.train.trainer as trainer_mod
 
     demos_seen, real = [], trainer_mod.mixed_demos
@@ -193,6 +200,15 @@ def test_tiny_mixed_training_run(agent, cache, tmp_path, monkeypatch):
         return list(demos_seen)
 
     monkeypatch.setattr(trainer_mod, "mixed_demos", spy)
+    real_inputs = trainer_mod.reward_inputs
+
+    def scripted_inputs(responses, *args, **kwargs):  # rows: prompt 1 x 2, prompt 2 x 2
+        real_inputs(responses, *args, **kwargs)
+        assert len(responses) == 4
+        return RewardInputs(np.array([1, 0, 0, 0], bool), np.array([0.3, 0.6, 0.2, 0.25], np.float32),
+                            np.ones(4, bool))
+
+    monkeypatch.setattr(trainer_mod, "reward_inputs", scripted_inputs)
     routes = itertools.cycle([f"<search> {QUESTION} </search>", "```python\nprint(2 + 2)\n```"])
     monkeypatch.setitem(protocols.PROTOCOLS, "mixed", (lambda: _Routed(routes=routes), "mixed"))
     cfg = load_config(TrainConfig, ROOT / "configs" / "smollm2_mixed_cpu.yaml", [
@@ -205,8 +221,18 @@ def test_tiny_mixed_training_run(agent, cache, tmp_path, monkeypatch):
     calls = {"search": 0, "code": 0}
     for name, tool in list(trainer.s.toolbox.tools.items()):
         trainer.s.toolbox.tools[name] = _counted(tool, name, calls)
+    hosts_seen, scores = [], []  # the step's HostBatch; its scorer's (batch, rewards)
+    trainer.rollout = _recorded(trainer.rollout, hosts_seen, lambda out: out[1])
+    trainer.s.score = _recorded(trainer.s.score, scores, lambda out: out)
     rows = trainer.run()
     assert [r["step"] for r in rows] == [1]
+    [host], [(batch, rewards)] = hosts_seen, scores
+    want = reference_stats(host.correct, host.q, np.asarray(rewards), np.asarray(batch.advantages), host.group,
+                           host.keep)
+    assert want["groups/count"] == 2 and want["groups/equal_correct_share"] == 0.5  # what the script makes
+    assert want["groups/equal_correct_abs_adv"] > 0.5 and np.isfinite(want["calib/corr_qc"])
+    assert_matches(rows[0], want)
+    assert_matches(read_metrics(tmp_path / "run")[0], want)  # metrics.jsonl holds the same
     assert all(np.isfinite(r["loss"]) and r["tool_calls"] == 1.0 for r in rows)  # one tool turn each
     assert calls["search"] > 0 and calls["code"] > 0
     # the warm start saw a demonstration of each kind, each valid under the reward's parser
@@ -224,6 +250,14 @@ class _Routed(Mixed):
 
     def parse(self, text):
         return super().parse(next(self.routes))
+
+
+def _recorded(fn, seen, pick):
+    def call(*args):
+        out = fn(*args)
+        seen.append(pick(out))
+        return out
+    return call
 
 
 def _counted(tool, name, calls):

@@ -193,6 +193,25 @@ def test_reward_inputs_math():
     np.testing.assert_array_equal(ok, [True, False, True])
 
 
+def test_reward_inputs_chance():
+    """The positive control's grading: an answered row is correct iff its draw is below the
+    gold p, whatever it answered; a row without an answer is wrong; format = answer and
+    confidence parse."""
+    responses = ["<answer> amber </answer>\n<confidence> 10 </confidence>",
+                 "<answer> heads </answer>\n<confidence> 95 </confidence>",
+                 "<answer> slate </answer>\n<confidence> 90 </confidence>",
+                 "<confidence> 50 </confidence>",  # no answer: wrong, format fails
+                 "<answer> jade </answer>"]  # no confidence: q = 0, format fails
+    golds = [["0.1"], ["0.1"], ["0.9"], ["0.9"], ["0.5"]]
+    draws = np.array([0.05, 0.5, 0.89, 0.01, 0.2])
+    c, q, ok = rewards.reward_inputs(responses, golds, "chance", draws)
+    np.testing.assert_array_equal(c, [True, False, True, False, True])
+    np.testing.assert_allclose(q, [0.1, 0.95, 0.9, 0.5, 0.0], rtol=1e-6)
+    np.testing.assert_array_equal(ok, [True, True, True, False, False])
+    with pytest.raises(ValueError, match="draws"):
+        rewards.reward_inputs(responses, golds, "chance")
+
+
 def test_reward_inputs_errors():
     with pytest.raises(ValueError):
         rewards.reward_inputs([GOOD], [])

@@ -120,9 +120,12 @@ class RewardInputs(NamedTuple):
     format_ok: np.ndarray
 
 
+Task = Literal["qa", "math", "chance"]
+
+
 def reward_inputs(
-    responses: Sequence[pieces.Response], golds: Sequence[Sequence[str]],
-    task: Literal["qa", "math"] | Sequence[Literal["qa", "math"]] = "qa",
+    responses: Sequence[pieces.Response], golds: Sequence[Sequence[str]], task: Task | Sequence[Task] = "qa",
+    draws: Sequence[float] | None = None,
 ) -> RewardInputs:
     """Parses B responses against their golds. A response is an episode's pieces ((text,
     written by the model) pairs: answers and confidences come from the model's own text
@@ -135,14 +138,21 @@ def reward_inputs(
     task "math" (TIR): correct = `parsing.math_equal` on the last `<answer>` if there is one,
     else on the last `\\boxed{}` (the model's, else its program's); format_ok = the confidence
     parses (the search chain does not apply to code trajectories).
-    In both, q = 0 when the confidence is missing or does not parse.
+    task "chance" (the positive control, `car_jax.data.chance`): the gold is the success
+    probability p; correct = an answer was given and draws[i] < p (`draws`: float[B] uniform
+    in [0, 1), one per row, given by the caller from its seed); format_ok = the answer and
+    the confidence parse.
+    In all, q = 0 when the confidence is missing or does not parse.
     """
     tasks = [task] * len(responses) if isinstance(task, str) else list(task)
     if not len(responses) == len(golds) == len(tasks):
         raise ValueError(f"{len(responses)} responses, {len(golds)} gold lists and {len(tasks)} tasks: "
                          f"give one of each per row")
+    if "chance" in tasks and (draws is None or len(draws) != len(responses)):
+        raise ValueError(f"task 'chance' grades each row with a uniform draw: give draws= one float per row "
+                         f"({len(responses)}), got {None if draws is None else len(draws)}")
     correct, q, ok = [], [], []
-    for response, gold, kind in zip(responses, golds, tasks):
+    for i, (response, gold, kind) in enumerate(zip(responses, golds, tasks)):
         parsed = pieces.parse_pieces(response)
         if kind == "qa":
             correct.append(parsed.answer is not None and parsing.exact_match(parsed.answer, gold))
@@ -151,7 +161,10 @@ def reward_inputs(
             answer = pieces.boxed_source(response) if parsed.answer is None else parsed.answer
             correct.append(parsing.math_equal(answer, gold))
             ok.append(parsed.confidence_ok)
+        elif kind == "chance":
+            correct.append(parsed.answer is not None and float(draws[i]) < float(gold[0]))
+            ok.append(parsed.answer is not None and parsed.confidence_ok)
         else:
-            raise ValueError(f"unknown task {kind!r}: choose 'qa' or 'math'")
+            raise ValueError(f"unknown task {kind!r}: choose 'qa', 'math' or 'chance'")
         q.append(parsed.q)
     return RewardInputs(np.array(correct, bool), np.array(q, np.float32), np.array(ok, bool))

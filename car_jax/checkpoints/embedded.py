@@ -2,10 +2,17 @@
 (`car_jax.assets.smollm2_gguf`), converted once to an HF folder in the car_jax cache."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
 
 from car_jax.assets import cache_dir, smollm2_gguf
 from car_jax.checkpoints.convert import gguf_to_hf
+from car_jax.checkpoints.loader import save_hf_folder
+from car_jax.checkpoints.sources import load_tokenizer, read_config
+from car_jax.models.decoder import Decoder
 
 
 def default_model_dir() -> Path:
@@ -18,3 +25,37 @@ def default_model_dir() -> Path:
         gguf_to_hf(smollm2_gguf(), tmp)
         tmp.rename(out)
     return out
+
+
+# A random-init decoder with the embedded model's tokenizer and chat template: two layers of
+# width 64 (the 49,152-token embedding, tied with the head, is most of its 3.3M params). Small
+# enough that hundreds of GRPO steps run in minutes on two CPU cores, so the positive
+# control (`car_jax.data.chance`) can train it through the real trainer from scratch.
+TINY_RANDOM = "builtin:tiny-random"
+TINY_SHAPE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=256)
+
+
+def tiny_random_dir() -> Path:
+    """The HF folder of the tiny random model (`TINY_RANDOM`), built once: SmolLM2's config
+    with `TINY_SHAPE`, params drawn by `Decoder.init` with key 0, SmolLM2's tokenizer."""
+    out = cache_dir() / "tiny-random-smollm2"
+    if (out / "config.json").is_file():
+        return out
+    base = default_model_dir()
+    cfg = dataclasses.replace(read_config(base), **TINY_SHAPE)
+    params = jax.jit(Decoder(cfg).init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    tmp = out.with_name(out.name + ".partial")
+    save_hf_folder(params, cfg, tmp)
+    load_tokenizer(base).save_pretrained(str(tmp))
+    tmp.rename(out)
+    return out
+
+
+def model_dir(path: str) -> Path:
+    """A configured model path as a folder or file: "" is the embedded SmolLM2-135M-Instruct,
+    `TINY_RANDOM` the tiny random model; anything else is taken as it is."""
+    if not path:
+        return default_model_dir()
+    if path == TINY_RANDOM:
+        return tiny_random_dir()
+    return Path(path)

@@ -2,6 +2,7 @@
 
     load_dataset("world")                          # built-in offline world, dev split
     load_dataset("world", split="train")
+    load_dataset("chance")                         # the positive control's coins (car_jax.data.chance)
     load_dataset("world-large", split="ood")       # the large world (car_jax.data.world_large): train, dev,
                                                    # ood, arith_train, arith_dev (math: the tir mode),
                                                    # mixed_train, mixed_dev (the mixed mode)
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from car_jax.data import tfds_source
+from car_jax.data import chance, tfds_source
 from car_jax.data.layouts import DatasetError, QAExample, rows_to_examples
 from car_jax.data.world import WORLDS, world_paths
 
@@ -128,7 +129,9 @@ def load_dataset(path_or_name: str | Path, split: str | None = None, limit: int 
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit} must be >= 1 (or None for all)")
-    if str(path_or_name).startswith(tfds_source.PREFIX):
+    if str(path_or_name) == chance.NAME:  # one set of coins: every split is the same
+        where, examples = chance.NAME, chance.examples()
+    elif str(path_or_name).startswith(tfds_source.PREFIX):
         where, examples = str(path_or_name), tfds_source.read_tfds(str(path_or_name), split)
     else:
         path = _resolve(path_or_name, split)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Literal
 
-Task = Literal["qa", "math"]
+Task = Literal["qa", "math", "chance"]  # chance: the positive control's coins (`data.chance`)
 
 
 class DatasetError(ValueError):
@@ -35,7 +35,8 @@ class DatasetError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class QAExample:
     """One question. `golden_answers` are matched by exact match (task "qa") or math
-    equivalence (task "math"); `meta` keeps the row's other fields (not hashed or compared)."""
+    equivalence (task "math"); task "chance" holds its success probability there
+    (`car_jax.data.chance`). `meta` keeps the row's other fields (not hashed or compared)."""
 
     id: str
     question: str
@@ -46,8 +47,8 @@ class QAExample:
     meta: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
-        if self.task not in ("qa", "math"):
-            raise ValueError(f"QAExample {self.id}: task {self.task!r} is not 'qa' or 'math'")
+        if self.task not in ("qa", "math", "chance"):
+            raise ValueError(f"QAExample {self.id}: task {self.task!r} is not 'qa', 'math' or 'chance'")
         if not self.golden_answers:
             raise ValueError(f"QAExample {self.id}: no golden answers")
 

@@ -1,7 +1,7 @@
 """Prompt templates: plain strings, so they can be read (and copied) as they are.
 
 Each template is a system message (the rules) and a user message (`{question}` filled in).
-`make_prompt(example, "search" | "direct" | "tir" | "mixed" | PromptTemplate) -> [system, user]` chat
+`make_prompt(example, "search" | "direct" | "tir" | "mixed" | "chance" | PromptTemplate) -> [system, user]` chat
 messages for `run_episodes`.
 
 The layouts match what the parsers check (`car_jax.calibration.parsing.check_format`):
@@ -16,6 +16,8 @@ The layouts match what the parsers check (`car_jax.calibration.parsing.check_for
             each followed by <think>..</think>, then <answer>a</answer> <confidence>n</confidence>.
             A search question's trajectory is scored on the search layout (a code block there
             fails the format check); an arithmetic problem's needs only the confidence to parse.
+    chance  the positive control (`car_jax.data.chance`): <answer>the coin's kind</answer>
+            <confidence>n</confidence>, one segment, no tool; the confidence is all there is to learn.
 """
 from __future__ import annotations
 
@@ -99,6 +101,11 @@ Code execution result: 1758
 <answer> 1758 </answer>
 <confidence> 95 </confidence>"""
 
+# short on purpose: the positive control's tiny model attends over every prompt token
+CHANCE_SYSTEM = """\
+Name the kind of the coin inside <answer> and </answer>, then rate how likely it is to land \
+heads, from 0 to 100, inside <confidence> and </confidence>."""
+
 QUESTION_USER = "Question: {question}"
 PROBLEM_USER = "Problem: {question}"
 
@@ -121,6 +128,7 @@ TEMPLATES = {
     "direct": PromptTemplate("direct", DIRECT_SYSTEM),
     "tir": PromptTemplate("tir", TIR_SYSTEM, PROBLEM_USER),
     "mixed": PromptTemplate("mixed", MIXED_SYSTEM),
+    "chance": PromptTemplate("chance", CHANCE_SYSTEM),
 }
 
 

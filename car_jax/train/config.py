@@ -30,7 +30,9 @@ from car_jax.sharding import make_mesh
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
     """The policy to train: where it is loaded from and how it runs."""
-    path: str = ""  # HF folder, .gguf, car_jax params folder; "" = the embedded SmolLM2-135M-Instruct
+    # HF folder, .gguf, car_jax params folder; "" = the embedded SmolLM2-135M-Instruct;
+    # "builtin:tiny-random" = a 2-layer random-init model with its tokenizer (the positive control's)
+    path: str = ""
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of the policy (optimizer moments follow it)
     remat: bool = False  # recompute each layer in the backward pass

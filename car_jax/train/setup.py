@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 import car_jax
 from car_jax.calibration.rewards import reward_fn
-from car_jax.checkpoints.embedded import default_model_dir
+from car_jax.checkpoints.embedded import model_dir
 from car_jax.models.api import Model
 from car_jax.rl.batches import make_scorer
 from car_jax.rl.steps import (
@@ -49,8 +49,9 @@ def build_mesh(cfg: MeshConfig) -> Mesh | None:
 
 
 def load_policy(cfg: PolicyConfig, mesh: Mesh | None):
-    """(model, tokenizer) from the configured path ("" = the embedded SmolLM2)."""
-    path = cfg.path or str(default_model_dir())
+    """(model, tokenizer) from the configured path ("" = the embedded SmolLM2,
+    `embedded.TINY_RANDOM` the tiny random model)."""
+    path = str(model_dir(cfg.path))
     model = car_jax.load_model(path, dtype=cfg.dtype, param_dtype=cfg.param_dtype, mesh=mesh, remat=cfg.remat)
     return model, car_jax.load_tokenizer(path)
 

@@ -6,7 +6,8 @@ Data: JSONL, one trajectory a line:
     {"messages": [chat messages of the prompt], "segments": [{"text": "...", "train": true}, ...]}
 or  {"messages": [...], "response": "..."}  (the whole response is trained on).
 `data = "world"` builds demonstrations from the offline world instead (`world_demos`; with
-the `mixed` template `mixed_demos`, which teach both tools).
+the `mixed` template `mixed_demos`, which teach both tools); `data = "chance"` builds the
+positive control's (`chance_demos`: the layout, with uninformative confidences).
 """
 from __future__ import annotations
 
@@ -63,6 +64,19 @@ def world_demos(examples, retriever, template: str = "search", confidence: int |
             for ex, docs, hit, conf in zip(examples, observations, found, stated)]
 
 
+def chance_demos(examples, confidence: int | str = "random", seed: int = 0) -> list[dict]:
+    """One demonstration per chance example (`car_jax.data.chance`), of the layout only:
+    name the coin's kind and state a confidence that follows `confidence` (`demo_confidences`:
+    "random" by default, an int for all), never the kind's p, so that the warm start's
+    confidences carry no information about the kind and calibration can only come from RL."""
+    if confidence == "informative":
+        raise ValueError("chance demonstrations state no informative confidence: that is what RL must learn; "
+                         "give 'random' or an integer")
+    stated = demo_confidences(len(examples), confidence, [], seed)
+    return [{"messages": make_prompt(ex, "chance"), "segments": [_ending(None, ex.meta["kind"], conf)]}
+            for ex, conf in zip(examples, stated)]
+
+
 def _search_segments(ex, docs: str, hit: bool, conf: int) -> list[dict]:
     """A search demonstration: search the question, read the docs, answer (or "unknown")."""
     thought = "The documents give the answer." if hit else "The documents do not say."
@@ -71,9 +85,10 @@ def _search_segments(ex, docs: str, hit: bool, conf: int) -> list[dict]:
             _ending(thought, ex.golden_answers[0] if hit else "unknown", conf)]
 
 
-def _ending(thought: str, answer: str, conf: int) -> dict:
-    return {"text": f"<think> {thought} </think>\n<answer> {answer} </answer>\n<confidence> {conf} </confidence>",
-            "train": True}
+def _ending(thought: str | None, answer: str, conf: int) -> dict:
+    """The answer and confidence a demonstration ends with (after a thought, if one is given)."""
+    think = "" if thought is None else f"<think> {thought} </think>\n"
+    return {"text": f"{think}<answer> {answer} </answer>\n<confidence> {conf} </confidence>", "train": True}
 
 
 def _prints(result: str, golds) -> bool:

@@ -29,10 +29,11 @@ from car_jax.calibration.rewards import reward_inputs
 from car_jax.checkpoints.loader import save_hf_folder
 from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
 from car_jax.config import save_config
-from car_jax.data import load_dataset, make_prompt, world_retriever
+from car_jax.data import chance, load_dataset, make_prompt, world_retriever
 from car_jax.models.api import Model
 from car_jax.models.policy import device_kind
 from car_jax.rl.batches import TrainBatch, chunked_logprobs, micro_batches, share_prompts, to_device
+from car_jax.rl.group_stats import group_stats
 from car_jax.rl.host_batch import HostBatch, host_batch, longest, micro_plan
 from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step, state_shardings
 from car_jax.rollout.episode import EpisodeStats, run_episodes
@@ -40,7 +41,7 @@ from car_jax.train import flops
 from car_jax.train.config import TrainConfig
 from car_jax.train.log import MetricsLogger, NullLogger, Timer
 from car_jax.train.setup import Setup, build_setup
-from car_jax.train.sft import mixed_demos, read_demos, run_sft, tokenize_demos, world_demos
+from car_jax.train.sft import chance_demos, mixed_demos, read_demos, run_sft, tokenize_demos, world_demos
 
 
 class Trainer:
@@ -63,6 +64,9 @@ class Trainer:
         if hosts.is_writer():
             save_config(cfg, self.dir / "config.yaml")
         self.ckpt = TrainCheckpointer(self.dir / "checkpoints", keep=cfg.run.keep, every=cfg.run.checkpoint_every)
+        # the data sources (`QAExample.data_source`): with several, the metrics break q and
+        # accuracy down by source (the chance task: one source per coin kind)
+        self.sources = sorted({ex.data_source for ex in self.examples})
         self.data_pos = 0
         self.start_step = 0
         # the SFT result is saved once (dir/warm_start): it is the KL reference of every
@@ -93,6 +97,8 @@ class Trainer:
             demos = mixed_demos(self.examples, s.toolbox.tools)
         elif cfg.sft.data == "world":
             demos = world_demos(self.examples, world_retriever(), cfg.data.template)
+        elif cfg.sft.data == chance.NAME:  # the positive control: the layout, uninformative confidences
+            demos = chance_demos(self.examples, "random", cfg.seed)
         else:
             demos = read_demos(cfg.sft.data)
         trajs = tokenize_demos(demos, s.tokenizer)
@@ -156,11 +162,13 @@ class Trainer:
     def rollout(self, step: int, timer: Timer):
         """G episodes for each of this process's share of the next prompts (all of them
         with one process), parsed on the host: (trajectories, HostBatch of these rows with
-        the step's global ids and widths, episode stats)."""
+        the step's global ids and widths, episode stats, int64[b] each row's index in
+        self.sources)."""
         cfg, s = self.cfg, self.s
         g = cfg.rollout.group_size
         examples = self.next_examples(cfg.rl.prompts_per_step)  # every process: the same stream
-        mine = hosts.local_rows(len(examples) * g, s.model.mesh)
+        rows = len(examples) * g  # every process's
+        mine = hosts.local_rows(rows, s.model.mesh)
         if mine.start % g or mine.stop % g:
             raise ValueError(f"{hosts.count()} processes cannot each take whole groups of the {len(examples)} "
                              f"prompts x {g} rows of a step; make rl.prompts_per_step a multiple of "
@@ -174,13 +182,17 @@ class Trainer:
                                  protocol=s.protocol, seed=cfg.seed * 1_000_003 + step, stats=stats)
         with timer("reward"):
             golds = [ex.golden_answers for ex in examples for _ in range(g)]
-            inputs = reward_inputs([t.pieces for t in trajs], golds, [ex.task for ex in examples for _ in range(g)])
+            # the chance task's grading draws: the step's, over every process's rows, this process's slice
+            draws = chance.draws(cfg.seed, step, rows)[mine]
+            inputs = reward_inputs([t.pieces for t in trajs], golds, [ex.task for ex in examples for _ in range(g)],
+                                   draws)
             lengths = tuple(hosts.allgather(np.array([longest(trajs)])).max(axis=0).tolist())
             host = host_batch(trajs, s.tokenizer.pad_token_id or 0, inputs=inputs,
                               keep=np.array([t.void_turns == 0 for t in trajs]),  # TIR: void trajectories leave the loss
                               groups=[ex.group_id for ex in examples for _ in range(g)], lengths=lengths)
             host = share_prompts(host, s.tokenizer.pad_token_id or 0)
-        return trajs, host, stats
+        source = np.array([self.sources.index(ex.data_source) for ex in examples for _ in range(g)], np.int64)
+        return trajs, host, stats, source
 
     def _sizes(self, n: int) -> tuple[int, int]:
         cfg, mesh = self.cfg, self.s.model.mesh
@@ -228,13 +240,31 @@ class Trainer:
                 **{k: float(v) for k, v in mismatch.items()}}
 
     def step(self, step: int, timer: Timer) -> dict[str, float]:
-        trajs, host, stats = self.rollout(step, timer)
+        trajs, host, stats, source = self.rollout(step, timer)
         self._sizes(host.rows * hosts.count())  # a bad batch layout fails before anything is sent
         batch, rewards = self.s.score(to_device(host, self.s.model.mesh))
         train_metrics = self.update(batch, hosts.allgather(host.prompt_of), timer, step)
         split = timer.split()
         perf = self._perf_metrics(trajs, host, split["time/step"])
-        return {**self._rollout_metrics(trajs, host, rewards, stats, split), **train_metrics, **split, **perf}
+        # this process's rows of the device results, in host order (for the group statistics)
+        scored = np.stack([hosts.fetch_local(x, self.s.model.mesh) for x in (rewards, batch.advantages)], axis=1)
+        return {**self._rollout_metrics(trajs, host, rewards, scored, stats, split), **self._source_metrics(host, source),
+                **train_metrics, **split, **perf}
+
+    def _source_metrics(self, host: HostBatch, source: np.ndarray) -> dict[str, float]:
+        """With several data sources: `q/<source>` (the mean sampled confidence) and
+        `accuracy/<source>` over every process's rows of each source in the step (a source
+        without rows this step is left out of the row)."""
+        if len(self.sources) < 2:
+            return {}
+        q, correct, index = hosts.allgather(np.column_stack([host.q, host.correct, source]).astype(np.float64)).T
+        out = {}
+        for i, name in enumerate(self.sources):
+            rows = index == i
+            if rows.any():
+                out[f"q/{name}"] = float(q[rows].mean())
+                out[f"accuracy/{name}"] = float(correct[rows].mean())
+        return out
 
     def _perf_metrics(self, trajs, host: HostBatch, seconds: float) -> dict[str, float]:
         """Model TFLOP/s per device and MFU of the step (`train.flops`), over every process's rows."""
@@ -248,13 +278,19 @@ class Trainer:
         return flops.perf_metrics(total, seconds, mesh.size if mesh is not None else 1, device_kind())
 
     @staticmethod
-    def _rollout_metrics(trajs, host: HostBatch, rewards, stats: EpisodeStats, split: dict) -> dict[str, float]:
+    def _rollout_metrics(trajs, host: HostBatch, rewards, scored: np.ndarray, stats: EpisodeStats,
+                         split: dict) -> dict[str, float]:
         """The step's rollout metrics over every process's rows (gathered; the times are
-        this process's)."""
-        rows = hosts.allgather(np.stack([host.correct, host.q, host.format_ok,
-                                         [t.loss_mask.sum() for t in trajs], [t.n_turns for t in trajs],
-                                         [t.n_tool_calls for t in trajs]], axis=1).astype(np.float64))
-        correct, q, format_ok, sampled, turns, calls = rows.T
+        this process's). rewards float32[B]: the scorer's, on the device; scored float32[b, 2]:
+        this process's rows of the rewards and the advantages, in host order.
+        accuracy, ece and auroc are over every row (kept or not): auroc is the AUROC of the
+        sampled confidence q (as parsed, 0 when missing) as a score for correctness,
+        `calibration.metrics.auroc`. calib/* and groups/* (`rl.group_stats`) are over the
+        kept rows, in their GRPO groups; calib/auroc is auroc over those rows."""
+        local = np.column_stack([host.correct, host.q, host.format_ok, [t.loss_mask.sum() for t in trajs],
+                                 [t.n_turns for t in trajs], [t.n_tool_calls for t in trajs], host.group, host.keep,
+                                 scored]).astype(np.float64)  # float64 holds each of them exactly
+        correct, q, format_ok, sampled, turns, calls, group, keep, reward, adv = hosts.allgather(local).T
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # single-class batches: AUROC is NaN, logged as such
             calib = cal.calibration(correct.astype(bool), q.astype(np.float32))
@@ -269,6 +305,8 @@ class Trainer:
             "rollout/slot_utilisation": stats.utilisation(int(sampled.sum())),
             "rollout/device_s": stats.seconds_device, "rollout/tool_s": stats.seconds_tools,
             "rollout/waiting_episodes": stats.mean_waiting(int(hosts.allgather(np.array([stats.waiting_steps])).sum())),
+            **group_stats(correct.astype(bool), q.astype(np.float32), reward.astype(np.float32),
+                          adv.astype(np.float32), group.astype(np.int64), keep.astype(bool)),
         }
 
     def run(self) -> list[dict]:

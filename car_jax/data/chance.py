@@ -1,0 +1,60 @@
+"""The positive control's task: coins whose right confidence is known exactly.
+
+Each example names a kind of coin and asks whether it lands heads; the policy names the
+kind in its answer (so the kind stands right before the confidence it states) and then
+rates the chance of heads. An episode that answers (any answer: it carries no skill) is
+graded correct with its kind's probability p, from a
+seeded uniform draw per rollout row (`draws`), whatever the model wrote; an episode without
+an answer is wrong. So the only thing a policy can learn is the confidence it states per
+kind, and the right one is known: a proper scoring rule (Brier, MSCR with b1 = b2) is
+maximised in expectation by q = p, MSCR with b1 != b2 by q* = p b1 / (p b1 + (1 - p) b2),
+and the binary reward does not depend on q at all.
+
+    load_dataset("chance")        # KINDS x PER_KIND examples, task "chance"
+
+A chance example's gold answer is its p, written as a decimal string ("0.3"):
+`calibration.rewards.reward_inputs` reads it for task "chance".
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from car_jax.data.layouts import QAExample
+
+NAME = "chance"
+# (kind, p): p spans the range so that a policy stating one confidence for all kinds is far
+# from calibrated (mean |q - p| >= 0.24 for any single q)
+KINDS = (("amber", 0.1), ("cobalt", 0.3), ("jade", 0.5), ("ruby", 0.7), ("slate", 0.9))
+PER_KIND = 40
+DRAW_STREAM = 20_260_311  # keeps the grading draws apart from every other use of the run seed
+
+
+def question(kind: str) -> str:
+    return f"A {kind} coin is tossed."
+
+
+def examples(kinds=KINDS, per_kind: int = PER_KIND) -> list[QAExample]:
+    """per_kind examples of each (kind, p), interleaved kind by kind (so any prefix of the
+    list, `data.limit`, keeps every kind); data_source "chance-<kind>" (the trainer's
+    per-source metrics), one GRPO group per example."""
+    out = []
+    for i in range(per_kind):
+        for kind, p in kinds:
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"chance kind {kind!r}: p={p} must lie in [0, 1]")
+            ex_id = f"chance-{kind}-{i}"
+            out.append(QAExample(id=ex_id, question=question(kind), golden_answers=(repr(float(p)),),
+                                 data_source=f"chance-{kind}", group_id=ex_id, task="chance",
+                                 meta={"kind": kind, "p": float(p)}))
+    return out
+
+
+def draws(seed: int, step: int, rows: int) -> np.ndarray:
+    """float64[rows] uniform draws in [0, 1) that grade a training step's rows (row i is
+    correct iff it answered and draws[i] < p): a function of (seed, step) only, so every
+    arm of one seed sees the same draws (paired), and every process the same (it takes its
+    rows' slice)."""
+    return np.random.default_rng([DRAW_STREAM, seed, step]).random(rows)
+
+
+__all__ = ["DRAW_STREAM", "KINDS", "NAME", "PER_KIND", "draws", "examples", "question"]

@@ -16,6 +16,7 @@ from tests.hf_factory import build_agent
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+EXPERIMENTS = ROOT / "configs" / "experiment"  # every file there loads and plans: tests/test_experiment.py
 PAPER = ["qwen2.5-3b_car_mscr", "qwen2.5-7b_car_mscr", "qwen3-4b_car_mscr", "qwen2.5-3b_brier",
          "qwen2.5-3b_binary", "qwen2.5-32b_car_mscr_v5p128"]
 
@@ -48,6 +49,12 @@ def test_config_loads_and_its_batches_divide(path):
 @pytest.mark.parametrize("name", PAPER)
 def test_paper_configs_follow_search_r1(name):
     cfg = load(name)
+    assert_search_r1_recipe(cfg)
+    assert cfg.run.dir.endswith(name)
+
+
+def assert_search_r1_recipe(cfg: TrainConfig):
+    """SPEC.md section 6's Search-R1 training settings, with car_jax's search template."""
     r, rl = cfg.rollout, cfg.rl
     assert (r.group_size, r.max_turns, r.max_response_tokens, r.max_obs_tokens) == (5, 4, 500, 500)
     assert (r.temperature, r.top_p, r.protocol) == (1.0, 0.95, "car_search")
@@ -59,7 +66,6 @@ def test_paper_configs_follow_search_r1(name):
     assert (cfg.tools.retriever, cfg.tools.topk) == ("http://127.0.0.1:8000/retrieve", 3)
     assert (cfg.model.dtype, cfg.model.param_dtype, cfg.model.remat) == ("bfloat16", "float32", True)
     assert cfg.data.template == "search"
-    assert cfg.run.dir.endswith(name)
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-3b_car_mscr", "qwen2.5-7b_car_mscr", "qwen3-4b_car_mscr",
@@ -94,6 +100,102 @@ def test_cpu_config_is_small():
     assert (cfg.data.train, cfg.tools.retriever) == ("world", "world")
     assert cfg.rl.prompts_per_step * cfg.rollout.group_size <= 16
     assert cfg.sft.data == "world" and cfg.sft.steps > 0  # the 135M model needs the format first
+
+
+def trajectories_per_run(cfg) -> int:
+    """GRPO trajectories one run of an experiment samples: prompts a step x G x steps."""
+    return cfg.train.rl.prompts_per_step * cfg.train.rollout.group_size * cfg.train.rl.steps
+
+
+def test_gpu_experiment_is_the_paired_design_at_over_50x_the_budget():
+    """world_car_gpu.yaml: world_car_paired.yaml's design (arms, seeds, per-seed order, warm
+    start, episode, reward, lr, evaluation) with only the budget, the eval sets and the device
+    settings changed; its train section fits one H100 by the planner."""
+    from car_jax.data import world_large
+    from car_jax.experiment import plan
+    from car_jax.experiment.config import load_experiment
+    from car_jax.plan import make_plan
+
+    cpu, gpu = (load_experiment(EXPERIMENTS / f) for f in ("world_car_paired.yaml", "world_car_gpu.yaml"))
+    assert trajectories_per_run(gpu) >= 50 * trajectories_per_run(cpu)
+    assert gpu.arms == cpu.arms and gpu.seeds == cpu.seeds and gpu.baseline == cpu.baseline
+    assert gpu.data_order == cpu.data_order == "per_seed"
+    assert {u.config.data.shuffle_seed for u in plan(gpu) if u.kind == "train"} == set(gpu.seeds)
+    assert gpu.warm_start == cpu.warm_start and gpu.warm_start.confidence == "random"
+    assert gpu.equivalence == cpu.equivalence and gpu.dir != cpu.dir
+    # the evaluation: the same splits and greedy episode, every question of each split
+    assert gpu.eval.episode == cpu.eval.episode and gpu.eval.n_boot == cpu.eval.n_boot
+    assert {k: (d.path, d.split) for k, d in gpu.eval.splits.items()} == {
+        k: (d.path, d.split) for k, d in cpu.eval.splits.items()}
+    assert all(d.limit is None for d in gpu.eval.splits.values())
+    assert all(d.limit is not None for d in cpu.eval.splits.values())
+    # the train section: the CPU one but for the budget and the device fields
+    g, c = gpu.train, cpu.train
+    assert g == dataclasses.replace(
+        c, model=dataclasses.replace(c.model, dtype=g.model.dtype, param_dtype=g.model.param_dtype,
+                                     remat=g.model.remat),
+        rollout=dataclasses.replace(c.rollout, group_size=g.rollout.group_size,
+                                    max_concurrent=g.rollout.max_concurrent),
+        rl=dataclasses.replace(c.rl, steps=g.rl.steps, prompts_per_step=g.rl.prompts_per_step,
+                               mini_batch=g.rl.mini_batch, micro_batch=g.rl.micro_batch,
+                               optim=dataclasses.replace(c.rl.optim, total_steps=g.rl.optim.total_steps)),
+        run=dataclasses.replace(c.run, checkpoint_every=g.run.checkpoint_every))
+    assert (g.model.dtype, g.model.param_dtype, g.mesh.devices) == ("bfloat16", "float32", 1)
+    n = g.rl.prompts_per_step * g.rollout.group_size
+    assert g.rl.optim.total_steps == g.rl.steps and g.rl.mini_batch in (0, n)  # one update a step, as on CPU
+    assert g.rollout.max_concurrent == n  # every episode of a step in flight
+    assert g.rl.steps * g.rl.prompts_per_step <= sum(world_large.SPLITS["train"])  # one pass, no repeats
+    assert make_plan(g, 1, 1, "h100").fits  # the planner's default prompt (512 tokens) on one H100
+
+
+def test_qwen_experiment_is_the_paper_recipe_on_search_r1_data():
+    """nq_hotpotqa_qwen2.5-3b.yaml: its train section is configs/qwen2.5-3b_car_mscr.yaml's
+    (SPEC.md section 6's numbers), its arms the paper's three, its evaluation NQ, HotpotQA
+    and SimpleQA-verified only, its batches divisible over a v5p-8 (4) and an 8-GPU node."""
+    from car_jax.experiment.config import DEFAULT_ARMS, load_experiment
+
+    exp = load_experiment(EXPERIMENTS / "nq_hotpotqa_qwen2.5-3b.yaml")
+    t = exp.train
+    assert_search_r1_recipe(t)
+    assert t.rl.steps == 1005 and t.rl.optim.total_steps == 1005 and t.rl.optim.warmup_steps == 286
+    assert t.rl.mini_batch == 1280 and t.rollout.max_concurrent == 512
+    base = load("qwen2.5-3b_car_mscr")
+    assert t == dataclasses.replace(base, run=dataclasses.replace(base.run, dir=t.run.dir))
+    assert (t.mesh.fsdp, t.mesh.tp, t.mesh.devices) == (-1, 1, 0)  # every device
+    for fsdp in (4, 8):  # a v5p-8 slice's chips, an 8 x H100 node's GPUs
+        assert t.rl.micro_batch % fsdp == 0 and exp.warm_start.batch % fsdp == 0
+    assert exp.arms == DEFAULT_ARMS and exp.baseline == "vanilla"
+    assert exp.warm_start.confidence == "random" and exp.equivalence.steps == 0
+    # no offline-world split slips in (a partial eval section merges onto the default {id: world})
+    assert set(exp.eval.splits) == {"id", "hotpotqa", "ood"}
+    assert not any(d.path.startswith("world") for d in exp.eval.splits.values())
+    assert exp.eval.splits["ood"].path.endswith(".csv")
+    e = exp.eval.episode
+    assert e.sampler.greedy and (e.max_turns, e.max_response_tokens, e.max_obs_tokens) == (4, 500, 500)
+
+
+def test_qwen_experiment_splits_search_r1_test_file_as_its_comment_says(tmp_path, monkeypatch):
+    """The command in nq_hotpotqa_qwen2.5-3b.yaml's comments writes its in-domain eval files
+    from Search-R1's test.parquet (seven sources): NQ rows to eval.splits.id, HotpotQA rows to
+    eval.splits.hotpotqa, and car_jax reads them."""
+    import subprocess
+    import sys
+
+    from car_jax.data import load_dataset
+    from car_jax.experiment.config import load_experiment
+    from tests.test_data import _write_search_r1_parquet
+
+    path = EXPERIMENTS / "nq_hotpotqa_qwen2.5-3b.yaml"
+    line = next(x for x in path.read_text().splitlines() if "pq.write_table" in x)
+    code = line.split('python -c "', 1)[1].rsplit('"', 1)[0]
+    exp = load_experiment(path)
+    monkeypatch.chdir(tmp_path)
+    folder = Path(exp.train.data.train)
+    folder.mkdir(parents=True)
+    _write_search_r1_parquet(folder / "test.parquet")  # two nq rows, one hotpotqa row
+    subprocess.run([sys.executable, "-c", code], check=True)
+    nq, hotpot = (load_dataset(exp.eval.splits[k].path) for k in ("id", "hotpotqa"))
+    assert [e.data_source for e in nq] == ["nq", "nq"] and [e.data_source for e in hotpot] == ["hotpotqa"]
 
 
 def test_eval_configs_load():

@@ -13,6 +13,8 @@ def test_examples_cover_every_kind_in_any_prefix():
     exs = load_dataset("chance")
     assert len(exs) == len(chance.KINDS) * chance.PER_KIND
     assert len({e.id for e in exs}) == len(exs)
+    assert [e.meta["kind"] for e in load_dataset("chance", "extremes")[:2]] == ["amber", "slate"]
+    assert {e.meta["p"] for e in load_dataset("chance", "extremes")} == {0.1, 0.9}
     first = exs[:len(chance.KINDS)]  # data.limit=5 keeps one of each kind
     assert [e.meta["kind"] for e in first] == [k for k, _ in chance.KINDS]
     for e in exs:
@@ -20,7 +22,7 @@ def test_examples_cover_every_kind_in_any_prefix():
         assert e.task == "chance" and float(e.golden_answers[0]) == p == e.meta["p"]
         assert e.data_source == f"chance-{e.meta['kind']}" and e.meta["kind"] in e.question
     messages = make_prompt(exs[0], "chance")
-    assert "<confidence>" in messages[0]["content"] and exs[0].question in messages[1]["content"]
+    assert "0 to 100" in messages[0]["content"] and messages[1]["content"] == exs[0].question
 
 
 def test_draws_depend_on_seed_and_step_only():

@@ -45,7 +45,7 @@ def no_model(monkeypatch):
         raise AssertionError("a model was loaded before the config was checked")
 
     for module, name in ((car_jax, "load_model"), (car_jax.train.setup, "load_policy"),
-                         (car_jax.train.setup, "default_model_dir"), (car_jax.eval.job, "load_eval_model")):
+                         (car_jax.train.setup, "model_dir"), (car_jax.eval.job, "load_eval_model")):
         monkeypatch.setattr(module, name, refuse)
 
 

@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "car_jax.cli.pilot",  # pilot
     "car_jax.cli.plan",  # plan
     "car_jax.cli.experiment",  # experiment
+    "car_jax.cli.control",  # control
 )
 
 

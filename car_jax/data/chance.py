@@ -1,6 +1,6 @@
 """The positive control's task: coins whose right confidence is known exactly.
 
-Each example names a kind of coin and asks whether it lands heads; the policy names the
+Each example names a kind of coin (`question`) and asks whether it lands heads; the policy names the
 kind in its answer (so the kind stands right before the confidence it states) and then
 rates the chance of heads. An episode that answers (any answer: it carries no skill) is
 graded correct with its kind's probability p, from a
@@ -10,7 +10,8 @@ kind, and the right one is known: a proper scoring rule (Brier, MSCR with b1 = b
 maximised in expectation by q = p, MSCR with b1 != b2 by q* = p b1 / (p b1 + (1 - p) b2),
 and the binary reward does not depend on q at all.
 
-    load_dataset("chance")        # KINDS x PER_KIND examples, task "chance"
+    load_dataset("chance")                     # KINDS x PER_KIND examples, task "chance"
+    load_dataset("chance", split="extremes")   # only the kinds with p = 0.1 and 0.9 (a quick run)
 
 A chance example's gold answer is its p, written as a decimal string ("0.3"):
 `calibration.rewards.reward_inputs` reads it for task "chance".
@@ -23,14 +24,27 @@ from car_jax.data.layouts import QAExample
 
 NAME = "chance"
 # (kind, p): p spans the range so that a policy stating one confidence for all kinds is far
-# from calibrated (mean |q - p| >= 0.24 for any single q)
-KINDS = (("amber", 0.1), ("cobalt", 0.3), ("jade", 0.5), ("ruby", 0.7), ("slate", 0.9))
+# from calibrated (mean |q - p| >= 0.24 for any single q). Each name is one token of
+# SmolLM2's vocabulary, so the kinds differ in content only, never in length (a two-token
+# name was the one kind a tiny model told apart: by the prompt's length, not its words).
+# Ordered so that the first two (the split "extremes": a quick run) are the two extremes.
+KINDS = (("amber", 0.1), ("slate", 0.9), ("jade", 0.5), ("cobalt", 0.3), ("silver", 0.7))
 PER_KIND = 40
+SPLITS = {"train": KINDS, "dev": KINDS, "extremes": KINDS[:2]}  # split -> the kinds it holds
 DRAW_STREAM = 20_260_311  # keeps the grading draws apart from every other use of the run seed
 
 
+# How often a question names its kind. Measured on the tiny random model (2 layers, width 64)
+# with SFT on informative targets (the confidence each kind deserves): named once in a
+# 63-token prompt, 300 SFT steps left E[q | kind] = 0.455 for every kind (the model even
+# answered "jade" for four kinds of five); named 8 times in a 37-token prompt, 150 steps
+# reached E[q | kind] within 0.006 of p. A 2-layer random model reads a word that makes up a
+# fifth of its context, not one of sixty tokens; the control tests the trainer, not that.
+REPEATS = 8
+
+
 def question(kind: str) -> str:
-    return f"A {kind} coin is tossed."
+    return "Coin: " + " ".join([kind] * REPEATS)
 
 
 def examples(kinds=KINDS, per_kind: int = PER_KIND) -> list[QAExample]:
@@ -49,6 +63,14 @@ def examples(kinds=KINDS, per_kind: int = PER_KIND) -> list[QAExample]:
     return out
 
 
+def split_examples(split: str | None) -> list[QAExample]:
+    """The examples of a split (`SPLITS`; None: "train")."""
+    split = split or "train"
+    if split not in SPLITS:
+        raise ValueError(f"chance has splits {', '.join(map(repr, SPLITS))}, not {split!r}")
+    return examples(SPLITS[split])
+
+
 def draws(seed: int, step: int, rows: int) -> np.ndarray:
     """float64[rows] uniform draws in [0, 1) that grade a training step's rows (row i is
     correct iff it answered and draws[i] < p): a function of (seed, step) only, so every
@@ -57,4 +79,5 @@ def draws(seed: int, step: int, rows: int) -> np.ndarray:
     return np.random.default_rng([DRAW_STREAM, seed, step]).random(rows)
 
 
-__all__ = ["DRAW_STREAM", "KINDS", "NAME", "PER_KIND", "draws", "examples", "question"]
+__all__ = ["DRAW_STREAM", "KINDS", "NAME", "PER_KIND", "REPEATS", "SPLITS", "draws", "examples", "question",
+           "split_examples"]

@@ -129,8 +129,8 @@ def load_dataset(path_or_name: str | Path, split: str | None = None, limit: int 
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit} must be >= 1 (or None for all)")
-    if str(path_or_name) == chance.NAME:  # one set of coins: every split is the same
-        where, examples = chance.NAME, chance.examples()
+    if str(path_or_name) == chance.NAME:
+        where, examples = chance.NAME, chance.split_examples(split)
     elif str(path_or_name).startswith(tfds_source.PREFIX):
         where, examples = str(path_or_name), tfds_source.read_tfds(str(path_or_name), split)
     else:

@@ -101,10 +101,9 @@ Code execution result: 1758
 <answer> 1758 </answer>
 <confidence> 95 </confidence>"""
 
-# short on purpose: the positive control's tiny model attends over every prompt token
-CHANCE_SYSTEM = """\
-Name the kind of the coin inside <answer> and </answer>, then rate how likely it is to land \
-heads, from 0 to 100, inside <confidence> and </confidence>."""
+# short on purpose: the positive control's tiny random model attends over every prompt token
+# (`car_jax.data.chance.question` names the kind several times for the same reason)
+CHANCE_SYSTEM = "Name the coin, then rate from 0 to 100 how likely it lands heads."
 
 QUESTION_USER = "Question: {question}"
 PROBLEM_USER = "Problem: {question}"
@@ -128,7 +127,7 @@ TEMPLATES = {
     "direct": PromptTemplate("direct", DIRECT_SYSTEM),
     "tir": PromptTemplate("tir", TIR_SYSTEM, PROBLEM_USER),
     "mixed": PromptTemplate("mixed", MIXED_SYSTEM),
-    "chance": PromptTemplate("chance", CHANCE_SYSTEM),
+    "chance": PromptTemplate("chance", CHANCE_SYSTEM, "{question}"),
 }
 
 

@@ -30,7 +30,9 @@ from car_jax.train.config import MeshConfig
 @dataclasses.dataclass(frozen=True)
 class EvalModelConfig:
     """The model to evaluate."""
-    path: str = ""  # HF folder, .gguf file or car_jax params folder; "" = the embedded SmolLM2-135M-Instruct
+    # HF folder, .gguf file or car_jax params folder; "" = the embedded SmolLM2-135M-Instruct;
+    # "builtin:tiny-random" = the positive control's 2-layer random model
+    path: str = ""
     tokenizer: str = ""  # tokenizer folder or .gguf; "" = model.path
     dtype: str = "float32"  # compute dtype (float32, bfloat16)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import car_jax
 from car_jax import hosts
-from car_jax.checkpoints.embedded import default_model_dir
+from car_jax.checkpoints.embedded import model_dir
 from car_jax.data import load_dataset
 from car_jax.eval.config import EvalConfig, EvalDataConfig, EvalModelConfig
 from car_jax.eval.runner import evaluate, get_mode
@@ -24,7 +24,7 @@ def load_eval_model(cfg: EvalModelConfig, mesh=None):
     """(model, tokenizer, model path) for `cfg` ("" path: the embedded SmolLM2), on `mesh`
     (`MeshConfig.build()`; None: one device) with the sampling sharding table (weights
     split over tp only, so a decode step gathers no weights)."""
-    model_path = Path(cfg.path) if cfg.path else default_model_dir()
+    model_path = model_dir(cfg.path)
     if not model_path.exists():
         raise EvalSetupError(f"model.path={str(model_path)!r}: no such file or folder")
     tok_path = Path(cfg.tokenizer) if cfg.tokenizer else model_path

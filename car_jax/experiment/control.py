@@ -1,0 +1,298 @@
+"""The positive control: can the trainer learn a confidence whose right value is known?
+
+On the chance task (`car_jax.data.chance`) an answered episode is graded correct with its
+coin kind's probability p, so the confidence is all a policy can learn, and the reward says
+what it should learn: q*(p) = p for Brier and for MSCR with b1 = b2, p b1 / (p b1 + (1 - p) b2)
+for MSCR with b1 != b2, and nothing for the binary reward (it does not depend on q).
+
+Every unit is a plain `car-jax train` run folder under `out`, through the real trainer
+(tokenizer, episodes, loss mask, group advantages, rewards, optimizer, checkpoints):
+
+    warm-s{seed}     the SFT warm start alone (rl.steps=0): the layout, with uniform random
+                     stated confidences, so the starting policy knows nothing about the kinds
+    {arm}-s{seed}    GRPO from warm-s{seed}'s export with the arm's reward; seed s also
+                     orders the data (data.shuffle_seed) and draws the grading (`chance.draws`),
+                     so the arms of one seed see the same prompts and the same coin tosses
+
+A finished unit is skipped and a stopped one resumes from its checkpoints. Each policy is
+then measured exactly: its expected confidence E[q | kind] from its next-token distribution
+over every value 0..100 after `<answer> KIND </answer>\\n<confidence>` (`rl.confidence`),
+written to the unit's `control.json`. `report` gathers them into out/control.json, a table
+(out/CONTROL.md) and a figure of E[q | kind] per step (out/control.png; the per-step values
+are the sampled confidences of that step's rollouts, `q/chance-<kind>` in metrics.jsonl).
+
+Criterion (issue acceptance): an arm with a target learns it when, in every seed, the mean
+over kinds of |E[q | kind] - q*| is <= TOLERANCE; the binary arm is measured against p.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from car_jax.config import load_config
+from car_jax.data import chance
+from car_jax.data.prompts import make_prompt
+from car_jax.models.api import load_model, load_tokenizer
+from car_jax.rl.confidence import expected_q, value_distribution
+from car_jax.rollout.generate import prompt_texts
+from car_jax.train.config import TrainConfig
+from car_jax.train.trainer import train
+
+TOLERANCE = 0.1  # mean over kinds of |E[q | kind] - q*|
+RESPONSE_PREFIX = "<answer> {kind} </answer>\n<confidence>"  # what the demonstrations write before the value
+TAIL = " {} </confidence>"
+UNIT_FILE, REPORT_FILE, TABLE_FILE, PLOT_FILE = "control.json", "control.json", "CONTROL.md", "control.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """A reward and its hyperparameters, and the advantage normalisation, as config overrides."""
+    name: str
+    kind: str
+    b1: float = 1.0
+    b2: float = 1.0
+    std_norm: bool = False  # GRPO's division by the group's reward std (rl.adv_std_norm)
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"reward.kind={self.kind}", f"reward.b1={self.b1}", f"reward.b2={self.b2}",
+                f"rl.adv_std_norm={str(self.std_norm).lower()}"]
+
+    def target(self, p: float) -> float:
+        """q*(p): the stated confidence that maximises the arm's expected reward (binary: any
+        q does; p is what it is measured against)."""
+        if self.kind == "mscr":
+            return p * self.b1 / (p * self.b1 + (1.0 - p) * self.b2)
+        return p
+
+
+# The arms of `run_control`'s default run, and one more (brier_std) that keeps GRPO's std
+# normalisation. Without it the advantage r - mean(r) is the plain policy gradient of the
+# expected reward, whose maximiser is q*; dividing by the group's std re-weights groups by
+# how alike their rewards are: a group that is all wrong (or all right) differs only by its
+# confidences, its std is small, and its advantages of +-1 push q to 0 (or 1) as hard as a
+# mixed group's push it toward p. brier_std measures what that does to q*.
+ARMS = {a.name: a for a in (Arm("binary", "binary"), Arm("brier", "brier"), Arm("mscr", "mscr"),
+                            Arm("mscr_b2_3", "mscr", 1.0, 3.0), Arm("brier_std", "brier", std_norm=True))}
+DEFAULT_ARMS = ("binary", "brier", "mscr", "mscr_b2_3")
+
+# The design, as `car-jax train` overrides (every key is a TrainConfig key). The warm start:
+# 400 SFT steps of 16 demonstrations at lr 3e-3 (its loss plateaus at the entropy of the
+# random confidences; after 150 steps the sampled answers named the wrong kind for about half
+# the rows of three kinds, and GRPO then never told the kinds apart). GRPO: 10 prompts x 8
+# trajectories a step in 4 mini-batches of 20, lr 2e-3, a small KL to the warm start (0.01,
+# which keeps the confidences spread out while the kinds separate: without it they collapsed
+# onto one value for every kind), temperature 1 and top_p 1, so the sampled confidences
+# follow the policy's own distribution.
+BASE = ["model.path=builtin:tiny-random", "mesh.devices=1", "data.train=chance", "data.template=chance",
+        "rollout.group_size=8", "rollout.max_turns=0", "rollout.max_response_tokens=24",
+        "rollout.temperature=1.0", "rollout.top_p=1.0",
+        "sft.data=chance", "sft.steps=400", "sft.batch=16", "sft.lr=3e-3",
+        "rl.prompts_per_step=10", "rl.mini_batch=20", "rl.loss.kl_coef=0.01", "rl.loss.entropy_coef=0.0",
+        "rl.optim.lr=2e-3", "rl.optim.warmup_steps=0", "rl.optim.grad_clip=1.0",
+        "run.checkpoint_every=50", "run.keep=1", "run.tensorboard=false", "run.export_hf=true"]
+STEPS = 150
+
+
+def warm_config(out: Path, seed: int, overrides: Sequence[str] = ()) -> TrainConfig:
+    return load_config(TrainConfig, None, [*BASE, f"seed={seed}", f"data.shuffle_seed={seed}", "rl.steps=0",
+                                           f"run.dir={out / f'warm-s{seed}'}", *overrides])
+
+
+def arm_config(out: Path, arm: Arm, seed: int, steps: int, overrides: Sequence[str] = ()) -> TrainConfig:
+    warm = out / f"warm-s{seed}" / "hf"
+    return load_config(TrainConfig, None, [
+        *BASE, f"seed={seed}", f"data.shuffle_seed={seed}", f"model.path={warm}", "sft.steps=0",
+        f"rl.steps={steps}", f"rl.optim.total_steps={steps}", *arm.overrides,
+        f"run.dir={out / f'{arm.name}-s{seed}'}", *overrides])
+
+
+def finished(cfg: TrainConfig) -> bool:
+    """Whether the run folder holds a complete run of cfg (its last step and its export)."""
+    run = Path(cfg.run.dir)
+    try:
+        done = json.loads((run / "last_step.json").read_text())["step"] == cfg.rl.steps
+    except (OSError, ValueError, KeyError):
+        return False
+    return done and (run / "hf" / "config.json").is_file()
+
+
+def kind_prefixes(tokenizer, kinds=chance.KINDS) -> list[list[int]]:
+    """For each kind: its prompt (chat template) and the response up to the confidence
+    value, as token ids, tokenized the way the demonstrations are (prompt, then the
+    response text on its own)."""
+    exs = {ex.meta["kind"]: ex for ex in chance.examples(kinds, 1)}
+    texts = prompt_texts(tokenizer, [make_prompt(exs[kind], "chance") for kind, _ in kinds])
+    return [tokenizer(t, add_special_tokens=False)["input_ids"]
+            + tokenizer(RESPONSE_PREFIX.format(kind=kind), add_special_tokens=False)["input_ids"]
+            for t, (kind, _) in zip(texts, kinds)]
+
+
+def measure(model, tokenizer, kinds=chance.KINDS) -> dict[str, dict[str, float]]:
+    """kind -> {"expected_q": E[q | kind], "mode": the most likely value / 100} of `model`
+    (a `models.api.Model`), from its distribution over 0..100 at the confidence tag."""
+    dist = value_distribution(model, tokenizer, kind_prefixes(tokenizer, kinds), TAIL)
+    means = expected_q(dist)
+    return {kind: {"expected_q": float(m), "mode": float(np.argmax(d)) / 100.0}
+            for (kind, _), m, d in zip(kinds, means, dist)}
+
+
+def _measure_unit(run_dir: Path) -> dict:
+    path = run_dir / "hf"
+    result = measure(load_model(path, progress=False), load_tokenizer(path))
+    (run_dir / UNIT_FILE).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def run_control(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequence[int] = range(5),
+                steps: int = STEPS, split: str = "train", overrides: Sequence[str] = (),
+                log: Callable[[str], None] = print, train_fn: Callable | None = None) -> dict:
+    """Runs (or resumes) every unit, seed by seed, measures each policy, writes the report;
+    returns it (`report`). `split`: the chance split the runs train on ("train": every kind;
+    "extremes": p = 0.1 and 0.9 only, a quick run), which the report scores; `overrides` go
+    to every unit's config (e.g. a smaller sft.steps); `train_fn(cfg)` defaults to
+    `car_jax.train.trainer.train`."""
+    train_fn = train_fn or train
+    out = Path(out)
+    kinds = _kinds(split)
+    overrides = [f"data.train_split={split}", *overrides]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ValueError(f"unknown arm {unknown[0]!r}: choose from {', '.join(ARMS)}")
+    configs = [(f"warm-s{s}", warm_config(out, s, overrides), [(a, arm_config(out, ARMS[a], s, steps, overrides))
+                                                               for a in arms]) for s in seeds]
+    for warm_name, warm, runs in configs:
+        for name, cfg in [(warm_name, warm), *runs]:
+            run_dir = Path(cfg.run.dir)
+            if finished(cfg) and (run_dir / UNIT_FILE).is_file():
+                continue
+            start = time.perf_counter()
+            if not finished(cfg):
+                log(f"== {name}: {'SFT warm start' if cfg.rl.steps == 0 else f'{cfg.rl.steps} GRPO steps'} ==")
+                train_fn(cfg)
+            _measure_unit(run_dir)
+            log(f"{name}: done in {time.perf_counter() - start:.0f} s")
+    return report(out, arms=arms, seeds=seeds, kinds=kinds)
+
+
+def _kinds(split: str):
+    if split not in chance.SPLITS:
+        raise ValueError(f"split={split!r}: the chance splits are {', '.join(chance.SPLITS)}")
+    return chance.SPLITS[split]
+
+
+# ---------------------------------------------------------------- the report
+def _curve(run_dir: Path, kinds) -> dict[str, list[float]]:
+    """Per-step mean sampled q of each kind (`q/chance-<kind>` in metrics.jsonl); NaN where a
+    step had no prompt of that kind."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {kind: [float(r.get(f"q/chance-{kind}", float("nan"))) for r in rows] for kind, _ in kinds}
+
+
+def report(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequence[int] = range(5),
+           kinds=chance.KINDS) -> dict:
+    """Gathers the finished units' measurements under `out` into out/control.json, the
+    table out/CONTROL.md and the figure out/control.png; returns the report dict:
+
+        {"kinds": {kind: p}, "tolerance": TOLERANCE,
+         "warm": {seed: {kind: E[q]}},
+         "arms": {arm: {"target": {kind: q*}, "seeds": {seed: {kind: E[q]}},
+                        "error": {seed: mean_k |E[q] - q*|}, "learned": bool | None,
+                        "curve": {kind: [per-step mean over seeds]}}}}
+
+    "learned" is True when every seed's error is <= TOLERANCE, None while units are missing."""
+    out = Path(out)
+    ps = {kind: p for kind, p in kinds}
+    rep = {"kinds": ps, "tolerance": TOLERANCE, "warm": {}, "arms": {}}
+    for s in seeds:
+        unit = out / f"warm-s{s}" / UNIT_FILE
+        if unit.is_file():
+            rep["warm"][str(s)] = {k: v["expected_q"] for k, v in json.loads(unit.read_text()).items() if k in ps}
+    for name in arms:
+        arm = ARMS[name]
+        target = {kind: arm.target(p) for kind, p in kinds}
+        entry = {"target": target, "seeds": {}, "error": {}, "curve": {}}
+        curves = []
+        for s in seeds:
+            unit = out / f"{name}-s{s}" / UNIT_FILE
+            if not unit.is_file():
+                continue
+            got = {k: v["expected_q"] for k, v in json.loads(unit.read_text()).items() if k in ps}
+            entry["seeds"][str(s)] = got
+            entry["error"][str(s)] = float(np.mean([abs(got[k] - target[k]) for k in target]))
+            curves.append(_curve(out / f"{name}-s{s}", kinds))
+        complete = len(entry["seeds"]) == len(seeds)
+        entry["learned"] = all(e <= TOLERANCE for e in entry["error"].values()) if complete else None
+        if curves:
+            n = min(len(c[k]) for c in curves for k in c)
+            entry["curve"] = {kind: np.nanmean([c[kind][:n] for c in curves], axis=0).tolist() for kind, _ in kinds}
+        rep["arms"][name] = entry
+    out.mkdir(parents=True, exist_ok=True)
+    (out / REPORT_FILE).write_text(json.dumps(rep, indent=1))
+    (out / TABLE_FILE).write_text(format_report(rep) + "\n")
+    if any(a["curve"] for a in rep["arms"].values()):
+        plot_report(rep, out / PLOT_FILE)
+    return rep
+
+
+def format_report(rep: dict) -> str:
+    """The report as a markdown table: per arm, E[q | kind] (mean over seeds) against q*,
+    and the per-seed error (mean over kinds of |E[q | kind] - q*|)."""
+    kinds = sorted(rep["kinds"], key=rep["kinds"].get)
+    head = "| policy | " + " | ".join(f"{k} (p={rep['kinds'][k]:g})" for k in kinds) + \
+        " | error per seed | seeds <= {:g} |".format(rep["tolerance"])
+    lines = [head, "|" + "---|" * (len(kinds) + 3)]
+    if rep["warm"]:
+        warm = rep["warm"]
+        errs = [np.mean([abs(w[k] - rep["kinds"][k]) for k in kinds]) for w in warm.values()]
+        cells = [f"{np.mean([w[k] for w in warm.values()]):.3f}" for k in kinds]
+        lines.append(f"| warm start (vs p) | {' | '.join(cells)} | {_errs(errs)} | "
+                     f"{sum(e <= rep['tolerance'] for e in errs)} of {len(errs)} |")
+    for name, a in rep["arms"].items():
+        if not a["seeds"]:
+            lines.append(f"| {name} | " + " | ".join("-" for _ in kinds) + " | (not run) | |")
+            continue
+        cells = [f"{np.mean([s[k] for s in a['seeds'].values()]):.3f} (q* {a['target'][k]:.3f})" for k in kinds]
+        errs = list(a["error"].values())
+        lines.append(f"| {name} | {' | '.join(cells)} | {_errs(errs)} | "
+                     f"{sum(e <= rep['tolerance'] for e in errs)} of {len(errs)} |")
+    return "\n".join(lines)
+
+
+def _errs(errs) -> str:
+    return ", ".join(f"{e:.3f}" for e in errs)
+
+
+def plot_report(rep: dict, path: str | Path, window: int = 10) -> Path:
+    """One panel per arm: the sampled E[q | kind] per step (mean over seeds, running mean
+    over `window` steps), each kind's q* dashed, and the final exact E[q | kind] (mean over
+    seeds) as a dot at the right edge."""
+    arms = [(n, a) for n, a in rep["arms"].items() if a["curve"]]
+    fig = Figure(figsize=(4.0 * len(arms), 3.6), dpi=110)
+    axes = np.atleast_1d(fig.subplots(1, len(arms), sharey=True))
+    colors = {k: f"C{i}" for i, k in enumerate(sorted(rep["kinds"], key=rep["kinds"].get))}
+    for ax, (name, a) in zip(axes, arms):
+        for kind, ys in a["curve"].items():
+            ys = np.asarray(ys, float)
+            smooth = np.array([np.nanmean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))])
+            steps = np.arange(1, len(ys) + 1)
+            ax.plot(steps, smooth, color=colors[kind], lw=1.5, label=f"{kind} (p={rep['kinds'][kind]:g})")
+            ax.axhline(a["target"][kind], color=colors[kind], ls="--", lw=0.8)
+            final = np.mean([s[kind] for s in a["seeds"].values()])
+            ax.plot([len(ys)], [final], "o", color=colors[kind], ms=5)
+        ax.set(title=f"{name} ({len(a['seeds'])} seeds)", xlabel="GRPO step", ylim=(0, 1))
+    axes[0].set_ylabel("E[q | kind]  (dashed: q*)")
+    axes[-1].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
+
+
+__all__ = ["ARMS", "Arm", "BASE", "DEFAULT_ARMS", "STEPS", "TOLERANCE", "arm_config", "format_report", "measure", "report",
+           "run_control", "warm_config"]

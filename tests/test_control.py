@@ -1,0 +1,100 @@
+"""The positive control (car_jax.experiment.control): its targets, its exact measurement of
+E[q | kind], its report, and (in `test_trainer_learns_the_known_confidence`) the real trainer
+learning the confidence each kind deserves where the binary reward does not."""
+import json
+
+import numpy as np
+import pytest
+
+from car_jax.data import chance
+from car_jax.experiment import control
+
+# the quick version's budget (test_trainer_learns_the_known_confidence): a shorter warm start
+QUICK_STEPS = 40
+QUICK = ["sft.steps=200"]
+
+
+def test_targets_are_the_rewards_maximisers():
+    """q*(p) is the argmax of each arm's expected reward, found on a grid (numpy)."""
+    grid = np.linspace(0.0, 1.0, 100_001)
+    for arm in (control.ARMS["brier"], control.ARMS["mscr"], control.ARMS["mscr_b2_3"]):
+        for _, p in chance.KINDS:
+            if arm.kind == "brier":
+                expected = p * (1 - (1 - grid) ** 2) + (1 - p) * (0 - grid ** 2)
+            else:
+                expected = p * (1 + arm.b1 * (1 - (1 - grid) ** 2)) - (1 - p) * arm.b2 * grid ** 2
+            assert abs(grid[np.argmax(expected)] - arm.target(p)) < 1e-4
+    assert control.ARMS["mscr_b2_3"].target(0.5) == pytest.approx(0.25)
+
+
+def _unit(folder, values, steps=3):
+    folder.mkdir(parents=True)
+    (folder / control.UNIT_FILE).write_text(json.dumps({k: {"expected_q": v, "mode": v} for k, v in values.items()}))
+    rows = [{"step": s, **{f"q/chance-{k}": v * s / steps for k, v in values.items()}} for s in range(1, steps + 1)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_reads_the_units(tmp_path):
+    """Errors are the mean over kinds of |E[q | kind] - q*| (re-derived here); an arm learns
+    when every seed is within the tolerance; a missing seed leaves the verdict open."""
+    ps = dict(chance.KINDS)
+    good = {k: p + 0.05 for k, p in ps.items()}  # error 0.05
+    flat = {k: 0.5 for k in ps}  # error mean |0.5 - p| = 0.24
+    for s in (0, 1):
+        _unit(tmp_path / f"warm-s{s}", flat)
+        _unit(tmp_path / f"brier-s{s}", good)
+        _unit(tmp_path / f"binary-s{s}", flat)
+    _unit(tmp_path / "mscr-s0", good)
+    rep = control.report(tmp_path, arms=["brier", "binary", "mscr"], seeds=[0, 1])
+    assert rep["arms"]["brier"]["error"] == {"0": pytest.approx(0.05), "1": pytest.approx(0.05)}
+    assert rep["arms"]["binary"]["error"]["0"] == pytest.approx(np.mean([abs(0.5 - p) for p in ps.values()]))
+    assert rep["arms"]["brier"]["learned"] is True and rep["arms"]["binary"]["learned"] is False
+    assert rep["arms"]["mscr"]["learned"] is None  # seed 1 missing
+    want = {k: np.mean([v * s / 3 for s in range(1, 4)][-1:]) for k, v in good.items()}  # last step: v
+    assert {k: c[-1] for k, c in rep["arms"]["brier"]["curve"].items()} == pytest.approx(want)
+    table = (tmp_path / control.TABLE_FILE).read_text()
+    assert "| brier |" in table and "2 of 2" in table and "0 of 2" in table
+    assert (tmp_path / control.PLOT_FILE).stat().st_size > 0
+    assert json.loads((tmp_path / control.REPORT_FILE).read_text())["arms"]["brier"]["learned"] is True
+
+
+def _error(values: dict, arm: "control.Arm", kinds) -> float:
+    """mean over `kinds` of |E[q | kind] - q*|, written out again (numpy)."""
+    return float(np.mean([abs(values[k]["expected_q"] - arm.target(p)) for k, p in kinds]))
+
+
+def test_trainer_learns_the_known_confidence(tmp_path):
+    """The control's quick version through the real trainer and `run_control`: the two
+    extreme kinds (split "extremes": p = 0.1 and 0.9), one seed. From a warm start that states
+    the same random confidences for both, Brier GRPO reaches E[q | kind] near p for both;
+    the binary reward, from the same warm start with the same prompts and coin tosses, does
+    not, and neither does the untrained warm start."""
+    kinds = chance.KINDS[:2]
+    assert sorted(p for _, p in kinds) == [0.1, 0.9]
+    rep = control.run_control(tmp_path, arms=["brier", "binary"], seeds=[0], steps=QUICK_STEPS, split="extremes",
+                              overrides=QUICK, log=lambda _: None)
+    got = {name: json.loads((tmp_path / f"{name}-s0" / control.UNIT_FILE).read_text())
+           for name in ("warm", "brier", "binary")}
+    brier, binary = control.ARMS["brier"], control.ARMS["binary"]
+    spread = {n: got[n]["slate"]["expected_q"] - got[n]["amber"]["expected_q"] for n in got}
+    assert _error(got["brier"], brier, kinds) <= 0.15 and spread["brier"] >= 0.55, got["brier"]
+    assert _error(got["warm"], brier, kinds) >= 0.3 and abs(spread["warm"]) <= 0.1, got["warm"]
+    assert _error(got["binary"], binary, kinds) >= 0.25 and abs(spread["binary"]) <= 0.3, got["binary"]
+    assert rep["arms"]["brier"]["error"]["0"] == pytest.approx(_error(got["brier"], brier, kinds))
+    assert rep["arms"]["brier"]["learned"] is (rep["arms"]["brier"]["error"]["0"] <= control.TOLERANCE)
+    rows = [json.loads(line) for line in (tmp_path / "brier-s0" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == QUICK_STEPS and {"q/chance-amber", "q/chance-slate"} <= set(rows[-1])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["control", "--arms", "brier,nope"], "--arms: unknown arm 'nope'"),
+    (["control", "--split", "all"], "--split: 'all' is not one of train, dev, extremes"),
+    (["control", "--steps", "0"], "--steps: 0 must be >= 1"),
+])
+def test_cli_refuses_bad_arguments_in_one_line(argv, message, capsys, tmp_path):
+    from car_jax.cli import main
+
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"car-jax control: error: {message}") and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())  # nothing ran

@@ -48,8 +48,9 @@ def smollm2_hf(tmp_path_factory):
 
 # The slowest files first: pytest-xdist hands out whole files in collection order, so a long
 # file collected last would leave the other worker idle at the end.
-SLOW_FIRST = ("test_multihost.py", "test_configs.py", "test_generate.py", "test_notebooks.py", "test_experiment.py",
-              "test_eval.py", "test_batches.py", "test_multihost_eval.py", "test_policy.py", "test_flash_attention.py")
+SLOW_FIRST = ("test_control.py", "test_multihost.py", "test_configs.py", "test_generate.py", "test_notebooks.py", "test_experiment.py",
+              "test_eval.py", "test_confidence.py", "test_batches.py", "test_multihost_eval.py", "test_policy.py",
+              "test_flash_attention.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -94,3 +94,19 @@ def test_run_builds_its_configs_then_loads_the_model(tmp_path, capsys, monkeypat
     with pytest.raises(AssertionError, match="after the configs were built"):
         main(["run", "--out", str(tmp_path)])
     assert capsys.readouterr().err == ""
+
+
+def test_run_closing_note_reads_its_own_numbers(tmp_path):
+    """`car-jax run`'s closing note says what the run's evaluation shows: the most common
+    stated confidence and its count (from samples.jsonl), the AUROCs of the summary."""
+    import json
+
+    from car_jax.cli.run import closing_note
+
+    qs = [0.9, 0.9, 0.2, 0.9]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"confidence": q}) + "\n" for q in qs))
+    note = closing_note({"accuracy": 0.5, "auroc": 0.5, "expected": {"auroc": 0.75}}, tmp_path, 2, 8)
+    assert "After 2 GRPO steps on 8 trajectories the policy states 0.90 on 3 of 4 questions (accuracy 0.50)" in note
+    assert "stated confidence is 0.50 and of its expected confidence at the tag 0.75" in note
+    note = closing_note({"accuracy": 1.0, "auroc": float("nan")}, tmp_path, 2, 8)
+    assert "stated confidence is undefined (one class)" in note and "tag undefined (one class)" in note

@@ -9,10 +9,6 @@ import pytest
 from car_jax.data import chance
 from car_jax.experiment import control
 
-# the quick version's budget (test_trainer_learns_the_known_confidence): a shorter warm start
-QUICK_STEPS = 40
-QUICK = ["sft.steps=200"]
-
 
 def test_targets_are_the_rewards_maximisers():
     """q*(p) is the argmax of each arm's expected reward, found on a grid (numpy)."""
@@ -71,8 +67,7 @@ def test_trainer_learns_the_known_confidence(tmp_path):
     not, and neither does the untrained warm start."""
     kinds = chance.KINDS[:2]
     assert sorted(p for _, p in kinds) == [0.1, 0.9]
-    rep = control.run_control(tmp_path, arms=["brier", "binary"], seeds=[0], steps=QUICK_STEPS, split="extremes",
-                              overrides=QUICK, log=lambda _: None)
+    rep = control.run_quick(tmp_path, log=lambda _: None)
     got = {name: json.loads((tmp_path / f"{name}-s0" / control.UNIT_FILE).read_text())
            for name in ("warm", "brier", "binary")}
     brier, binary = control.ARMS["brier"], control.ARMS["binary"]
@@ -83,7 +78,7 @@ def test_trainer_learns_the_known_confidence(tmp_path):
     assert rep["arms"]["brier"]["error"]["0"] == pytest.approx(_error(got["brier"], brier, kinds))
     assert rep["arms"]["brier"]["learned"] is (rep["arms"]["brier"]["error"]["0"] <= control.TOLERANCE)
     rows = [json.loads(line) for line in (tmp_path / "brier-s0" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == QUICK_STEPS and {"q/chance-amber", "q/chance-slate"} <= set(rows[-1])
+    assert len(rows) == control.QUICK_STEPS and {"q/chance-amber", "q/chance-slate"} <= set(rows[-1])
 
 
 @pytest.mark.parametrize("argv, message", [

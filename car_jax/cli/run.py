@@ -5,7 +5,13 @@
   2. evaluate the base model on a slice of the world's dev split (search agent);
   3. train CAR: an SFT warm start on world demonstrations (the 135M model does not know
      the tag format), then GRPO with the MSCR reward;
-  4. evaluate the trained policy on the same slice and print both tables.
+  4. evaluate the trained policy on the same slice and print both tables, with a closing
+     note read off its own numbers (how many questions it states its most common confidence
+     on, the AUROC of its stated and of its expected confidence);
+  5. the positive control's quick version (`car_jax.experiment.control`, split "extremes"):
+     a tiny random model learns through the same trainer the confidence two coin kinds deserve
+     (p = 0.1 and 0.9) with the Brier reward and does not with the binary one; its table and
+     figure. `--no-control` skips it.
 
 The sizes are small so that it finishes in minutes on two CPU cores; `car-jax train` and
 `car-jax eval` with a config from configs/ run the real thing. Every config is built (and
@@ -28,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--sft-steps", type=_at_least(0), default=8)
     p.add_argument("--rl-steps", type=_at_least(1), default=2)
     p.add_argument("--chat-only", action="store_true", help="stop after the chat answer")
+    p.add_argument("--no-control", action="store_true", help="skip the positive control (step 5)")
+    p.add_argument("--control-steps", type=_at_least(1), default=None,
+                   help="GRPO steps of each control arm (default: the quick control's, 40)")
     p.set_defaults(func=_run)
 
 
@@ -87,6 +96,10 @@ def _run(args) -> int:
     cfg = _train_config(args, out)  # the configs first: a bad value fails before the model loads
     base_eval = _eval_config("", args.eval_questions, out / "eval_base")
     car_eval = _eval_config(str(out / "train" / "hf"), args.eval_questions, out / "eval_car")
+    if not args.no_control:  # the control's configs too (constants, but checked before anything loads)
+        from car_jax.experiment import control
+        control.arm_config(out / "control", control.ARMS["brier"], 0, args.control_steps or control.QUICK_STEPS,
+                           ["data.train_split=extremes", *control.QUICK_OVERRIDES])
     folder = default_model_dir()
     model = car_jax.load_model(folder)
     tokenizer = car_jax.load_tokenizer(folder)
@@ -111,14 +124,50 @@ def _run(args) -> int:
     print(format_table(after))
     print(f"\n== before / after CAR training ({before['n']} world dev questions, search agent) ==")
     print(compare_table({"base": before, "CAR": after}))
-    print(f"\nnote: a smoke test of the whole loop, not a result: {args.rl_steps} GRPO steps on "
-          f"{cfg.rl.prompts_per_step * cfg.rollout.group_size} trajectories do not move calibration, and the SFT "
-          "demonstrations already state high confidence when the documents hold the answer and low otherwise. "
-          "What CAR's reward does against vanilla and RLCR is measured by `car-jax experiment --config "
-          "configs/experiment/world_car.yaml` (3 rewards x 3 seeds, ~2.5 h on two CPU cores); its report is RESULTS.md.")
+    print("\n" + closing_note(after, out / "eval_car", args.rl_steps, cfg.rl.prompts_per_step * cfg.rollout.group_size))
+    if not args.no_control:
+        _control(out / "control", args.control_steps or control.QUICK_STEPS)
     print(f"\nrun folder:           {out}")
     print(f"training metrics:     {out / 'train' / 'metrics.jsonl'} (SFT: {out / 'train' / 'sft' / 'metrics.jsonl'})")
     print(f"TensorBoard logs:     {out / 'train' / 'tb'}   (tensorboard --logdir {out / 'train' / 'tb'})")
     print(f"reliability diagrams: {out / 'eval_base' / 'reliability.png'}, {out / 'eval_car' / 'reliability.png'}")
     print(f"trained policy:       {out / 'train' / 'hf'} (HF folder; checkpoints in {out / 'train' / 'checkpoints'})")
+    if not args.no_control:
+        print(f"positive control:     {out / 'control' / 'CONTROL.md'}, {out / 'control' / 'control.png'}")
     return 0
+
+
+def closing_note(summary: dict, eval_dir: Path, rl_steps: int, trajectories: int) -> str:
+    """What the trained policy's own evaluation shows: the confidence it states most and on
+    how many questions, and whether its stated and its expected confidence (at the tag, over
+    every value 0..100) tell right answers from wrong ones (AUROC)."""
+    import json
+    from collections import Counter
+
+    records = [json.loads(line) for line in (eval_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    value, count = Counter(round(r["confidence"], 2) for r in records).most_common(1)[0]
+    expected = summary.get("expected") or {}
+
+    def auroc(x):
+        return "undefined (one class)" if x is None or x != x else f"{x:.2f}"
+
+    return (f"note: what this run shows. After {rl_steps} GRPO steps on {trajectories} trajectories the policy states "
+            f"{value:.2f} on {count} of {len(records)} questions (accuracy {summary['accuracy']:.2f}); the AUROC of its "
+            f"stated confidence is {auroc(summary['auroc'])} and of its expected confidence at the tag "
+            f"{auroc(expected.get('auroc'))} (0.5: no better than chance at telling right answers from wrong). A smoke "
+            "test of the whole loop at this size, not a calibrated agent: the reward experiment "
+            "(`car-jax experiment --config configs/experiment/world_car.yaml`, RESULTS.md) measures the rewards "
+            "against each other, and the positive control (`car-jax control`) shows what the trainer can learn.")
+
+
+def _control(out: Path, steps: int) -> None:
+    """The positive control's quick version (its unit test's design), with its table."""
+    from car_jax.experiment import control
+
+    print(f"\n== positive control: coins with p = 0.1 and 0.9, Brier vs binary reward, {steps} GRPO steps each ==")
+    rep = control.run_quick(out, steps=steps)
+    print(control.format_report(rep))
+    for name, arm in rep["arms"].items():
+        error = arm["error"].get("0")
+        print(f"{name}: mean |E[q | kind] - q*| = {error:.3f} ({'within' if error <= rep['tolerance'] else 'outside'} "
+              f"{rep['tolerance']:g})")

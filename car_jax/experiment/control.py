@@ -156,13 +156,11 @@ def _measure_unit(run_dir: Path) -> dict:
 
 def run_control(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequence[int] = range(5),
                 steps: int = STEPS, split: str = "train", overrides: Sequence[str] = (),
-                log: Callable[[str], None] = print, train_fn: Callable | None = None) -> dict:
+                log: Callable[[str], None] = print) -> dict:
     """Runs (or resumes) every unit, seed by seed, measures each policy, writes the report;
     returns it (`report`). `split`: the chance split the runs train on ("train": every kind;
     "extremes": p = 0.1 and 0.9 only, a quick run), which the report scores; `overrides` go
-    to every unit's config (e.g. a smaller sft.steps); `train_fn(cfg)` defaults to
-    `car_jax.train.trainer.train`."""
-    train_fn = train_fn or train
+    to every unit's config (e.g. a smaller sft.steps)."""
     out = Path(out)
     kinds = _kinds(split)
     overrides = [f"data.train_split={split}", *overrides]
@@ -179,7 +177,7 @@ def run_control(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: S
             start = time.perf_counter()
             if not finished(cfg):
                 log(f"== {name}: {'SFT warm start' if cfg.rl.steps == 0 else f'{cfg.rl.steps} GRPO steps'} ==")
-                train_fn(cfg)
+                train(cfg)
             _measure_unit(run_dir)
             log(f"{name}: done in {time.perf_counter() - start:.0f} s")
     return report(out, arms=arms, seeds=seeds, kinds=kinds)

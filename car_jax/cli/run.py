@@ -154,7 +154,8 @@ def closing_note(summary: dict, eval_dir: Path, rl_steps: int, trajectories: int
     return (f"note: what this run shows. After {rl_steps} GRPO steps on {trajectories} trajectories the policy states "
             f"{value:.2f} on {count} of {len(records)} questions (accuracy {summary['accuracy']:.2f}); the AUROC of its "
             f"stated confidence is {auroc(summary['auroc'])} and of its expected confidence at the tag "
-            f"{auroc(expected.get('auroc'))} (0.5: no better than chance at telling right answers from wrong). A smoke "
+            f"{auroc(expected.get('auroc'))} (0.5: no better than chance at telling right answers from wrong; below "
+            "0.5: more confident when wrong). A smoke "
             "test of the whole loop at this size, not a calibrated agent: the reward experiment "
             "(`car-jax experiment --config configs/experiment/world_car.yaml`, RESULTS.md) measures the rewards "
             "against each other, and the positive control (`car-jax control`) shows what the trainer can learn.")

@@ -35,11 +35,12 @@ DRAW_STREAM = 20_260_311  # keeps the grading draws apart from every other use o
 
 
 # How often a question names its kind. Measured on the tiny random model (2 layers, width 64)
-# with SFT on informative targets (the confidence each kind deserves): named once in a
-# 63-token prompt, 300 SFT steps left E[q | kind] = 0.455 for every kind (the model even
-# answered "jade" for four kinds of five); named 8 times in a 37-token prompt, 150 steps
-# reached E[q | kind] within 0.006 of p. A 2-layer random model reads a word that makes up a
-# fifth of its context, not one of sixty tokens; the control tests the trainer, not that.
+# with SFT on informative targets (the confidence each kind deserves;
+# results/control/exploration/sft_inf2, sft_inf3): named once in a 63-token prompt, 300 SFT
+# steps left E[q | kind] = 0.455 for every kind (the model even answered "jade" for four kinds
+# of five); named 8 times in a 37-token prompt, 150 steps reached E[q | kind] within 0.006 of
+# p. A 2-layer random model reads a word that makes up a fifth of its context, not one of
+# sixty tokens; the control tests the trainer, not that.
 REPEATS = 8
 
 

@@ -152,13 +152,13 @@ def closing_note(summary: dict, eval_dir: Path, rl_steps: int, trajectories: int
         return "undefined (one class)" if x is None or x != x else f"{x:.2f}"
 
     return (f"note: what this run shows. After {rl_steps} GRPO steps on {trajectories} trajectories the policy states "
-            f"{value:.2f} on {count} of {len(records)} questions (accuracy {summary['accuracy']:.2f}); the AUROC of its "
-            f"stated confidence is {auroc(summary['auroc'])} and of its expected confidence at the tag "
+            f"{value:.2f} on {count} of {len(records)} questions (accuracy {summary['accuracy']:.2f}); the AUROC of "
+            f"its stated confidence is {auroc(summary['auroc'])} and of its expected confidence at the tag "
             f"{auroc(expected.get('auroc'))} (0.5: no better than chance at telling right answers from wrong; below "
-            "0.5: more confident when wrong). A smoke "
-            "test of the whole loop at this size, not a calibrated agent: the reward experiment "
-            "(`car-jax experiment --config configs/experiment/world_car.yaml`, RESULTS.md) measures the rewards "
-            "against each other, and the positive control (`car-jax control`) shows what the trainer can learn.")
+            "0.5: more confident when wrong). A smoke test of the whole loop at this size, not a calibrated agent: "
+            "the reward experiment (`car-jax experiment --config configs/experiment/world_car.yaml`, RESULTS.md) "
+            "measures the rewards against each other, and the positive control (`car-jax control`) shows what the "
+            "trainer can learn.")
 
 
 def _control(out: Path, steps: int) -> None:

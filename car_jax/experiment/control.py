@@ -303,5 +303,5 @@ def plot_report(rep: dict, path: str | Path, window: int = 10) -> Path:
     return Path(path)
 
 
-__all__ = ["ARMS", "Arm", "BASE", "DEFAULT_ARMS", "STEPS", "TOLERANCE", "arm_config", "format_report", "measure", "report",
-           "run_control", "run_quick", "warm_config"]
+__all__ = ["ARMS", "Arm", "BASE", "DEFAULT_ARMS", "QUICK_ARMS", "QUICK_OVERRIDES", "QUICK_STEPS", "STEPS",
+           "TOLERANCE", "arm_config", "format_report", "measure", "report", "run_control", "run_quick", "warm_config"]

@@ -67,6 +67,7 @@ class Trainer:
         # the data sources (`QAExample.data_source`): with several, the metrics break q and
         # accuracy down by source (the chance task: one source per coin kind)
         self.sources = sorted({ex.data_source for ex in self.examples})
+        self._source_index = {name: i for i, name in enumerate(self.sources)}
         self.data_pos = 0
         self.start_step = 0
         # the SFT result is saved once (dir/warm_start): it is the KL reference of every
@@ -191,7 +192,7 @@ class Trainer:
                               keep=np.array([t.void_turns == 0 for t in trajs]),  # TIR: void trajectories leave the loss
                               groups=[ex.group_id for ex in examples for _ in range(g)], lengths=lengths)
             host = share_prompts(host, s.tokenizer.pad_token_id or 0)
-        source = np.array([self.sources.index(ex.data_source) for ex in examples for _ in range(g)], np.int64)
+        source = np.array([self._source_index[ex.data_source] for ex in examples for _ in range(g)], np.int64)
         return trajs, host, stats, source
 
     def _sizes(self, n: int) -> tuple[int, int]:
@@ -248,8 +249,8 @@ class Trainer:
         perf = self._perf_metrics(trajs, host, split["time/step"])
         # this process's rows of the device results, in host order (for the group statistics)
         scored = np.stack([hosts.fetch_local(x, self.s.model.mesh) for x in (rewards, batch.advantages)], axis=1)
-        return {**self._rollout_metrics(trajs, host, rewards, scored, stats, split), **self._source_metrics(host, source),
-                **train_metrics, **split, **perf}
+        return {**self._rollout_metrics(trajs, host, rewards, scored, stats, split),
+                **self._source_metrics(host, source), **train_metrics, **split, **perf}
 
     def _source_metrics(self, host: HostBatch, source: np.ndarray) -> dict[str, float]:
         """With several data sources: `q/<source>` (the mean sampled confidence) and

@@ -199,8 +199,8 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
         assert cal[key] == pytest.approx(want[key], abs=1e-6, nan_ok=True), key
         got = s["eval_summary"][key]  # evaluate()'s summary writes NaN as None
         assert (got is None and np.isnan(want[key])) or got == pytest.approx(want[key], abs=1e-6), key
-    # evaluate() wrote its three files, one sample line per question
-    assert s["files"] == ["reliability.png", "samples.jsonl", "summary.json"]
+    # evaluate() wrote its four files (the expected confidence's diagram too), one sample line per question
+    assert s["files"] == ["reliability.png", "reliability_expected.png", "samples.jsonl", "summary.json"]
     rows = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
     assert [r["correct"] for r in rows] == samples["correct"]
     assert [r["confidence"] for r in rows] == pytest.approx(samples["confidence"])

@@ -1,8 +1,8 @@
 """The positive control's task: coins whose right confidence is known exactly.
 
-Each example names a kind of coin (`question`) and asks whether it lands heads; the policy names the
-kind in its answer (so the kind stands right before the confidence it states) and then
-rates the chance of heads. An episode that answers (any answer: it carries no skill) is
+Each example names a kind of coin (`question`); the policy names the kind in its answer (so
+the kind stands right before the confidence it states) and then rates the chance that the
+coin lands heads. An episode that answers (any answer: it carries no skill) is
 graded correct with its kind's probability p, from a
 seeded uniform draw per rollout row (`draws`), whatever the model wrote; an episode without
 an answer is wrong. So the only thing a policy can learn is the confidence it states per
@@ -64,12 +64,17 @@ def examples(kinds=KINDS, per_kind: int = PER_KIND) -> list[QAExample]:
     return out
 
 
-def split_examples(split: str | None) -> list[QAExample]:
-    """The examples of a split (`SPLITS`; None: "train")."""
+def split_kinds(split: str | None) -> tuple:
+    """The (kind, p) pairs of a split (`SPLITS`; None: "train")."""
     split = split or "train"
     if split not in SPLITS:
         raise ValueError(f"chance has splits {', '.join(map(repr, SPLITS))}, not {split!r}")
-    return examples(SPLITS[split])
+    return SPLITS[split]
+
+
+def split_examples(split: str | None) -> list[QAExample]:
+    """The examples of a split (`SPLITS`; None: "train")."""
+    return examples(split_kinds(split))
 
 
 def draws(seed: int, step: int, rows: int) -> np.ndarray:
@@ -81,4 +86,4 @@ def draws(seed: int, step: int, rows: int) -> np.ndarray:
 
 
 __all__ = ["DRAW_STREAM", "KINDS", "NAME", "PER_KIND", "REPEATS", "SPLITS", "draws", "examples", "question",
-           "split_examples"]
+           "split_examples", "split_kinds"]

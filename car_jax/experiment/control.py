@@ -10,7 +10,10 @@ Every unit is a plain `car-jax train` run folder under `out`, through the real t
 
     warm-s{seed}     the SFT warm start alone (rl.steps=0): the layout, with uniform random
                      stated confidences, so the starting policy knows nothing about the kinds
-    {arm}-s{seed}    GRPO from warm-s{seed}'s export with the arm's reward; seed s also
+    {arm}-s{seed}    GRPO from warm-s{seed}'s export with the arm's reward (overrides reach
+                     every unit, these too: `sft.steps=200` makes each arm first run 200 more SFT
+                     steps on the same seeded demonstrations, so the arms of a seed still share
+                     one start; the quick run does that, `QUICK_OVERRIDES`); seed s also
                      orders the data (data.shuffle_seed) and draws the grading (`chance.draws`),
                      so the arms of one seed see the same prompts and the same coin tosses
 
@@ -99,7 +102,8 @@ BASE = ["model.path=builtin:tiny-random", "mesh.devices=1", "data.train=chance",
         "run.checkpoint_every=50", "run.keep=1", "run.tensorboard=false", "run.export_hf=true"]
 STEPS = 150
 # The quick version (`run_quick`: `car-jax run`'s step 5 and tests/test_control.py): the two
-# extreme kinds, Brier against binary, one seed, a shorter warm start. Measured: 583 s on two
+# extreme kinds, Brier against binary, one seed, a shorter warm start (sft.steps=200, which
+# the arms run again from its export: see the module doc). Measured: 583 s on two
 # busy CPU cores; Brier reached E[q | kind] 0.075 / 0.777 for p = 0.1 / 0.9, binary 0.669 / 0.658.
 QUICK_ARMS, QUICK_STEPS, QUICK_OVERRIDES = ("brier", "binary"), 40, ("sft.steps=200",)
 
@@ -162,7 +166,7 @@ def run_control(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: S
     "extremes": p = 0.1 and 0.9 only, a quick run), which the report scores; `overrides` go
     to every unit's config (e.g. a smaller sft.steps)."""
     out = Path(out)
-    kinds = _kinds(split)
+    kinds = chance.split_kinds(split)
     overrides = [f"data.train_split={split}", *overrides]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -187,12 +191,6 @@ def run_quick(out: str | Path, *, steps: int = QUICK_STEPS, log: Callable[[str],
     """The quick version of the control (see QUICK_ARMS): run or resume it, report it."""
     return run_control(out, arms=QUICK_ARMS, seeds=[0], steps=steps, split="extremes", overrides=QUICK_OVERRIDES,
                        log=log)
-
-
-def _kinds(split: str):
-    if split not in chance.SPLITS:
-        raise ValueError(f"split={split!r}: the chance splits are {', '.join(chance.SPLITS)}")
-    return chance.SPLITS[split]
 
 
 # ---------------------------------------------------------------- the report

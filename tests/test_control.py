@@ -23,6 +23,19 @@ def test_targets_are_the_rewards_maximisers():
     assert control.ARMS["mscr_b2_3"].target(0.5) == pytest.approx(0.25)
 
 
+def test_arms_run_no_sft_and_their_schedule_spans_the_run(tmp_path):
+    """An sft override sets the warm start's SFT alone; an arm's cosine runs over all of its
+    optimizer updates (steps x prompts x G / mini_batch x epochs), whatever the overrides."""
+    over = ["sft.steps=123", "rl.prompts_per_step=6", "rl.mini_batch=16", "rl.epochs=2"]
+    warm = control.warm_config(tmp_path, 3, over)
+    arm = control.arm_config(tmp_path, control.ARMS["mscr"], 3, 7, over)
+    assert warm.sft.steps == 123 and warm.rl.steps == 0
+    assert arm.sft.steps == 0 and arm.rl.steps == 7
+    assert arm.rl.optim.total_steps == 7 * (6 * 8 // 16) * 2  # G = 8 in the design
+    assert arm.model.path == str(tmp_path / "warm-s3" / "hf") and arm.reward.kind == "mscr"
+    assert arm.rl.optim.schedule == "cosine"
+
+
 def _unit(folder, values, steps=3):
     folder.mkdir(parents=True)
     (folder / control.UNIT_FILE).write_text(json.dumps({k: {"expected_q": v, "mode": v} for k, v in values.items()}))

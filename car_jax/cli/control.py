@@ -5,7 +5,7 @@ reach E[q | kind] = p, MSCR with b1 != b2 its own q*, and the binary reward noth
 
     car-jax control                                   # 4 arms x 5 seeds x 150 steps (run or resume), then report
     car-jax control --arms brier,binary --seeds 0,1   # a subset
-    car-jax control --split extremes --steps 40 --out runs/control-quick sft.steps=200   # p = 0.1, 0.9 only
+    car-jax control --split extremes --steps 60 --out runs/control-quick   # p = 0.1, 0.9 only
     car-jax control --report --out results/control    # rebuild the table and figure; run nothing
 
 Every unit is a `car-jax train` folder under --out that resumes where it stopped.
@@ -25,7 +25,8 @@ def register(sub) -> None:
     p.add_argument("--split", default="train", help="the coins to train on and score: train (all five kinds) "
                    "or extremes (p = 0.1 and 0.9 only, a quick run)")
     p.add_argument("--report", action="store_true", help="rebuild the report from --out; run nothing")
-    p.add_argument("overrides", nargs="*", help="dotted train-config overrides for every unit, e.g. sft.steps=100")
+    p.add_argument("overrides", nargs="*", help="dotted train-config overrides for every unit, e.g. "
+                   "rl.optim.lr=1e-3 (sft.* reaches the warm start only: the arms run no SFT)")
     p.set_defaults(func=_run)
 
 

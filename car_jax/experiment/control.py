@@ -10,12 +10,11 @@ Every unit is a plain `car-jax train` run folder under `out`, through the real t
 
     warm-s{seed}     the SFT warm start alone (rl.steps=0): the layout, with uniform random
                      stated confidences, so the starting policy knows nothing about the kinds
-    {arm}-s{seed}    GRPO from warm-s{seed}'s export with the arm's reward (overrides reach
-                     every unit, these too: `sft.steps=200` makes each arm first run 200 more SFT
-                     steps on the same seeded demonstrations, so the arms of a seed still share
-                     one start; the quick run does that, `QUICK_OVERRIDES`); seed s also
-                     orders the data (data.shuffle_seed) and draws the grading (`chance.draws`),
-                     so the arms of one seed see the same prompts and the same coin tosses
+    {arm}-s{seed}    GRPO from warm-s{seed}'s export with the arm's reward and no SFT of its
+                     own (overrides reach every unit; `sft.steps` sets the warm start's alone);
+                     seed s also orders the data (data.shuffle_seed) and draws the grading
+                     (`chance.draws`), so the arms of one seed share one start and see the same
+                     prompts and the same coin tosses
 
 A finished unit is skipped and a stopped one resumes from its checkpoints. Each policy is
 then measured exactly: its expected confidence E[q | kind] from its next-token distribution
@@ -90,22 +89,24 @@ DEFAULT_ARMS = ("binary", "brier", "mscr", "mscr_b2_3")
 # demonstrations at lr 3e-3 (its loss plateaus at the entropy of the random confidences; after
 # 150 steps the sampled answers named the wrong kind for about half the rows of three kinds).
 # GRPO: 10 prompts x 8 trajectories a step in 4 mini-batches of 20, lr 2e-3 (5e-3 broke the
-# format within 10 steps), a small KL to the warm start (0.01: without one the confidences
-# collapsed onto one value for every kind), temperature 1 and top_p 1, so the sampled
-# confidences follow the policy's own distribution.
+# format within 10 steps) decayed by a cosine to 5% over the arm's run (at a constant 2e-3,
+# 2 of 5 seeds of the two-kind control broke the format and others lost the kinds they had
+# separated late in the run: results/control_extremes; the decay fixed seed 1 there:
+# exploration/extremes_s1_cosine_60steps), a small KL to the warm start (0.01: without one
+# the confidences collapsed onto one value for every kind), temperature 1 and top_p 1, so the
+# sampled confidences follow the policy's own distribution.
 BASE = ["model.path=builtin:tiny-random", "mesh.devices=1", "data.train=chance", "data.template=chance",
         "rollout.group_size=8", "rollout.max_turns=0", "rollout.max_response_tokens=24",
         "rollout.temperature=1.0", "rollout.top_p=1.0",
         "sft.data=chance", "sft.steps=400", "sft.batch=16", "sft.lr=3e-3",
         "rl.prompts_per_step=10", "rl.mini_batch=20", "rl.loss.kl_coef=0.01", "rl.loss.entropy_coef=0.0",
-        "rl.optim.lr=2e-3", "rl.optim.warmup_steps=0", "rl.optim.grad_clip=1.0",
+        "rl.optim.lr=2e-3", "rl.optim.schedule=cosine", "rl.optim.min_lr_ratio=0.05", "rl.optim.warmup_steps=0",
+        "rl.optim.grad_clip=1.0",
         "run.checkpoint_every=50", "run.keep=1", "run.tensorboard=false", "run.export_hf=true"]
 STEPS = 150
 # The quick version (`run_quick`: `car-jax run`'s step 5 and tests/test_control.py): the two
-# extreme kinds, Brier against binary, one seed, a shorter warm start (sft.steps=200, which
-# the arms run again from its export: see the module doc). Measured: 583 s on two
-# busy CPU cores; Brier reached E[q | kind] 0.075 / 0.777 for p = 0.1 / 0.9, binary 0.669 / 0.658.
-QUICK_ARMS, QUICK_STEPS, QUICK_OVERRIDES = ("brier", "binary"), 40, ("sft.steps=200",)
+# extreme kinds, Brier against binary, one seed, 60 steps.
+QUICK_ARMS, QUICK_STEPS = ("brier", "binary"), 60
 
 
 def warm_config(out: Path, seed: int, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -114,11 +115,17 @@ def warm_config(out: Path, seed: int, overrides: Sequence[str] = ()) -> TrainCon
 
 
 def arm_config(out: Path, arm: Arm, seed: int, steps: int, overrides: Sequence[str] = ()) -> TrainConfig:
+    """GRPO from warm-s{seed}'s export. The overrides apply as to the warm start, but the arm
+    runs no SFT of its own (the warm start is the seed's one SFT), and its learning-rate
+    schedule spans its whole run: rl.optim.total_steps counts optimizer updates, which is
+    `steps` x the mini-batches of a step x rl.epochs."""
     warm = out / f"warm-s{seed}" / "hf"
-    return load_config(TrainConfig, None, [
-        *BASE, f"seed={seed}", f"data.shuffle_seed={seed}", f"model.path={warm}", "sft.steps=0",
-        f"rl.steps={steps}", f"rl.optim.total_steps={steps}", *arm.overrides,
-        f"run.dir={out / f'{arm.name}-s{seed}'}", *overrides])
+    args = [*BASE, f"seed={seed}", f"data.shuffle_seed={seed}", f"model.path={warm}", f"rl.steps={steps}",
+            *arm.overrides, f"run.dir={out / f'{arm.name}-s{seed}'}", *overrides, "sft.steps=0"]
+    cfg = load_config(TrainConfig, None, args)
+    rows = cfg.rl.prompts_per_step * cfg.rollout.group_size
+    updates = steps * (rows // (cfg.rl.mini_batch or rows)) * cfg.rl.epochs
+    return load_config(TrainConfig, None, [*args, f"rl.optim.total_steps={updates}"])
 
 
 def finished(cfg: TrainConfig) -> bool:
@@ -189,8 +196,7 @@ def run_control(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: S
 
 def run_quick(out: str | Path, *, steps: int = QUICK_STEPS, log: Callable[[str], None] = print) -> dict:
     """The quick version of the control (see QUICK_ARMS): run or resume it, report it."""
-    return run_control(out, arms=QUICK_ARMS, seeds=[0], steps=steps, split="extremes", overrides=QUICK_OVERRIDES,
-                       log=log)
+    return run_control(out, arms=QUICK_ARMS, seeds=[0], steps=steps, split="extremes", log=log)
 
 
 # ---------------------------------------------------------------- the report
@@ -301,5 +307,5 @@ def plot_report(rep: dict, path: str | Path, window: int = 10) -> Path:
     return Path(path)
 
 
-__all__ = ["ARMS", "Arm", "BASE", "DEFAULT_ARMS", "QUICK_ARMS", "QUICK_OVERRIDES", "QUICK_STEPS", "STEPS",
+__all__ = ["ARMS", "Arm", "BASE", "DEFAULT_ARMS", "QUICK_ARMS", "QUICK_STEPS", "STEPS",
            "TOLERANCE", "arm_config", "format_report", "measure", "report", "run_control", "run_quick", "warm_config"]

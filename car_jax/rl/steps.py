@@ -43,7 +43,7 @@ BATCH_KEYS = ("prompt", "prompt_valid", "prompt_index", "tokens", "valid", "mask
 class OptimConfig:
     lr: float = 1e-6
     warmup_steps: int = 0
-    total_steps: int = 1000
+    total_steps: int = 1000  # optimizer updates the schedule spans (rl.steps x mini-batches a step x rl.epochs)
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
     weight_decay: float = 0.01

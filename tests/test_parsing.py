@@ -270,3 +270,81 @@ def test_last_boxed_is_linear(make, expected):
         assert result == expected
     # and a 210 KB hostile input (149 s for 112 KB before the fix) returns at all
     assert parsing.last_boxed("\\boxed{b}" + "\\boxed{" * 30_000) == "b"
+
+
+def _last_tag_content_before_the_fix(text, tag):
+    """The quadratic last_tag_content that the linear one replaced: the reference semantics."""
+    open_, close = f"<{tag}>", f"</{tag}>"
+    end = text.rfind(close)
+    while end != -1:
+        start = text.rfind(open_, 0, end)
+        if start != -1 and text.rfind(close, start, end) == -1:
+            return text[start + len(open_):end].strip()
+        end = text.rfind(close, 0, end)
+    return None
+
+
+def test_last_tag_content_equals_the_old_implementation(monkeypatch):
+    import random
+
+    rng = random.Random(0)
+    tags = [f"<{t}>" for t in parsing.TAGS] + [f"</{t}>" for t in parsing.TAGS]
+    # whole tags (mostly answer / confidence), halves that join into tags across pieces, text
+    pieces = tags + ["<answer>", "</answer>", "<confidence>", "</confidence>"] * 3 + [
+        "<", "</", "answer>", "confidence>", "<answer", "</answer >", "<Answer>", "x", " 85 ", "\n", ">",
+        "<answer>P</answer>", "<confidence>70</confidence>"]
+    texts = [GOOD, GOOD * 3, ""] + [
+        "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 30))) for _ in range(4000)]
+    new = [parsing.parse_response(t) for t in texts]
+    for text in texts:
+        for tag in parsing.TAGS:
+            assert parsing.last_tag_content(text, tag) == _last_tag_content_before_the_fix(text, tag), (text, tag)
+    monkeypatch.setattr(parsing, "last_tag_content", _last_tag_content_before_the_fix)
+    assert new == [parsing.parse_response(t) for t in texts]  # every field, answer and confidence included
+    answers = [p.answer for p in new]  # both outcomes, and nested / repeated tags, are exercised
+    assert sum(a is None for a in answers) > 1000 and sum(a is not None for a in answers) > 1000
+    assert sum(p.confidence_ok for p in new) > 500
+
+
+class _Scanned(str):
+    """A str that counts the characters its find / rfind calls read: a call that finds the
+    tag at i reads [i, end) (rfind) or [start, i + len(tag)) (find), one that does not reads
+    the whole [start, end). So the count is the work of the searches, with no clock involved."""
+    read = 0
+
+    def _span(self, start, end):
+        start = 0 if start is None else start
+        end = len(self) if end is None else end
+        return max(start, 0), max(min(end, len(self)), 0)
+
+    def rfind(self, sub, start=None, end=None):
+        i = str.rfind(self, sub, *(x for x in (start, end) if x is not None))
+        lo, hi = self._span(start, end)
+        _Scanned.read += hi - (i if i != -1 else lo)
+        return i
+
+    def find(self, sub, start=None, end=None):
+        i = str.find(self, sub, *(x for x in (start, end) if x is not None))
+        lo, hi = self._span(start, end)
+        _Scanned.read += (i + len(sub) if i != -1 else hi) - lo
+        return i
+
+
+@pytest.mark.parametrize("make", [
+    lambda n: "</answer>" * n,  # every closing tag searched back to the start before the fix
+    lambda n: "<answer><confidence>" + "</answer> x </confidence>" * n,
+    lambda n: "<answer>x" * n + "</answer>" * n + "<confidence>",
+])
+def test_last_tag_content_reads_each_character_a_bounded_number_of_times(make):
+    """The searches of `last_tag_content` read at most 3 characters per character of text, at
+    4,000 and at 64,000 repeats of a tag-heavy pattern (the scan before the fix read each
+    stretch again for every closing tag after it: 0.037 s -> 0.33 s for 4,000 -> 16,000
+    closing tags, 13 s on 1 MB of them)."""
+    for n in (4000, 64_000):
+        text = _Scanned(make(n))
+        for tag in ("answer", "confidence"):
+            _Scanned.read = 0
+            got = parsing.last_tag_content(text, tag)
+            if n == 4000:  # the same result as before the fix (which takes seconds at 64,000)
+                assert got == _last_tag_content_before_the_fix(str(text), tag)
+            assert _Scanned.read <= 3 * len(text), (tag, n, _Scanned.read / len(text))

@@ -104,8 +104,8 @@ def test_routes_and_missing_length(server):
         assert s.recv(4096).startswith(b"HTTP/1.1 411")
 
 
-def _raw_exchange(server, request: bytes, half_close: bool) -> tuple[bytes, dict]:
-    """Send raw bytes, read the answer until the server closes: (status line, JSON body)."""
+def _raw_reply(server, request: bytes, half_close: bool = False) -> tuple[bytes, dict, bytes]:
+    """Send raw bytes, read the answer until the server closes: (status line, headers, body)."""
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(request)
@@ -115,7 +115,14 @@ def _raw_exchange(server, request: bytes, half_close: bool) -> tuple[bytes, dict
         while chunk := s.recv(4096):
             reply += chunk
     head, _, body = reply.partition(b"\r\n\r\n")
-    return head.split(b"\r\n")[0], json.loads(body)
+    status, *lines = head.split(b"\r\n")
+    return status, dict(line.decode("latin-1").split(": ", 1) for line in lines), body
+
+
+def _raw_exchange(server, request: bytes, half_close: bool) -> tuple[bytes, dict]:
+    """Send raw bytes, read the answer until the server closes: (status line, JSON body)."""
+    status, _, body = _raw_reply(server, request, half_close)
+    return status, json.loads(body)
 
 
 @pytest.mark.parametrize("half_close", [False, True])
@@ -141,6 +148,64 @@ def test_wrong_method_is_405_with_allow(server):
         finally:
             conn.close()
     assert _request(server, "PUT", "/nope", b"{}")[0] == 404
+
+
+def _json_error(server, request: bytes, status: int, head_only: bool = False) -> tuple[dict, str]:
+    """The answer to raw `request`: `status` as JSON on a closed connection -> (headers, error)."""
+    line, headers, body = _raw_reply(server, request)
+    assert line.startswith(b"HTTP/1.1 %d " % status), line
+    assert headers["Content-Type"] == "application/json" and headers["Connection"] == "close"
+    if head_only:  # the answer to HEAD has the headers of the JSON answer, not its body
+        assert body == b"" and int(headers["Content-Length"]) > 0
+        return headers, ""
+    assert int(headers["Content-Length"]) == len(body)
+    return headers, json.loads(body)["error"]
+
+
+@pytest.mark.parametrize("value", [
+    b"\xb2", b"12\xb3", b"\xb9\xb2",  # Latin-1 superscripts: str.isdigit() takes them, int() does not
+    b"\xc2\xb2", b"abc", b"-1", b"+5", b"1e3", b"0x10", b"", b"9" * 5000,  # over int()'s 4,300 digits
+])
+def test_content_length_must_be_ascii_digits(server, value):
+    request = b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: " + value + b"\r\n\r\n{}"
+    _, error = _json_error(server, request, 400)
+    assert "Content-Length must be a number of bytes in ASCII digits" in error
+    assert _post(server, {"queries": ["hamlet"], "topk": 1})[0] == 200  # still serving
+
+
+@pytest.mark.parametrize("method, path, status, allow", [
+    ("OPTIONS", "/retrieve", 405, "POST"), ("OPTIONS", "/health", 405, "GET"),
+    ("HEAD", "/retrieve", 405, "POST"), ("HEAD", "/health", 405, "GET"),
+    ("OPTIONS", "*", 404, None), ("HEAD", "/nope", 404, None),
+    ("TRACE", "/health", 501, None), ("BREW", "/retrieve", 501, None),  # methods no route knows
+])
+def test_every_method_gets_json(server, method, path, status, allow):
+    request = f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    headers, error = _json_error(server, request, status, head_only=method == "HEAD")
+    assert headers.get("Allow") == allow
+    if status == 405 and method != "HEAD":
+        assert f"{path} takes {allow}, not {method}" in error
+    if status == 501:
+        assert f"Unsupported method ('{method}')" in error
+
+
+@pytest.mark.parametrize("request_, status, message", [
+    (b"GARBAGE\r\n\r\n", 400, "Bad request syntax ('GARBAGE')"),
+    (b"GET /health x HTTP/1.1\r\n\r\n", 400, "Bad request syntax"),
+    (b"GET /health HTTP/x.y\r\n\r\n", 400, "Bad request version ('HTTP/x.y')"),
+    (b"\x00\xff\xfe junk \x01\r\n\r\n", 400, "Bad request version"),
+    (b"POST /retrieve\r\n\r\n", 400, "Bad HTTP/0.9 request type ('POST')"),
+    (b"GET /health HTTP/2.0\r\n\r\n", 505, "Invalid HTTP version (2.0)"),
+    (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414, "Request-URI Too Long"),
+    (b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431, "Line too long"),
+    (b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", 431, "Too many headers"),
+])
+def test_what_http_server_refuses_is_json(server, request_, status, message):
+    """http.server answers these itself, before any do_* method: as JSON too, with a status
+    line even when the request line was too garbled to name its HTTP version."""
+    _, error = _json_error(server, request_, status)
+    assert message in error
+    assert _request(server, "GET", "/health")[0] == 200  # still serving
 
 
 class GatedBackend(Retriever):

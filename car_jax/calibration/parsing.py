@@ -43,15 +43,22 @@ def last_tag_content(text: str, tag: str) -> str | None:
     "Innermost" means the content holds no `<tag>` or `</tag>` itself: for
     `<answer>a<answer>b</answer>c</answer>` this returns "b" (and the format check fails), for
     `<answer>x` (no closing tag) it returns None, for two answers it returns the second.
+
+    Scans from the end, so the usual answer near the end is found at once, in linear time on
+    any text: the opening tag found for one closing tag is kept for the closing tags before it
+    (the tags never overlap, as `tag` holds no "<"), so no stretch of text is searched twice
+    for the same tag.
     """
     open_, close = f"<{tag}>", f"</{tag}>"
-    end = text.rfind(close)
+    end, start = text.rfind(close), len(text)
     while end != -1:
-        start = text.rfind(open_, 0, end)
+        if start >= end:  # the last opening tag before `end` is not the one we hold
+            start = text.rfind(open_, 0, end)
+        before = text.rfind(close, max(start, 0), end)  # the last closing tag in [start, end)
         # innermost: no other closing tag between the opening tag and `end`
-        if start != -1 and text.rfind(close, start, end) == -1:
+        if start != -1 and before == -1:
             return text[start + len(open_):end].strip()
-        end = text.rfind(close, 0, end)
+        end = before
     return None
 
 

@@ -6,13 +6,15 @@
     GET /health     -> 200 {"status": "ok", "backend": ..., "num_docs": ...}
 
 Binds 127.0.0.1 unless told otherwise. Every request gets a JSON answer: a body over
-`max_body_bytes` gets 413, a missing length 411, bad JSON or fields 400 (`{"error": ...}`
-explains which; JSON nested too deeply for the parser included), a body that stops short of
-its Content-Length 400 once `body_timeout_s` has passed (separate from the idle keep-alive
-`socket_timeout_s`), a known path with the wrong method 405 with an `Allow` header, unknown
-paths 404; backend failures 500. Connections speak HTTP/1.1 keep-alive; an error answered
-before the body was read closes the connection (the unread body would be taken for the next
-request).
+`max_body_bytes` gets 413, a missing length 411, a Content-Length that is not ASCII digits 400,
+bad JSON or fields 400 (`{"error": ...}` explains which; JSON nested too deeply for the parser
+included), a body that stops short of its Content-Length 400 once `body_timeout_s` has passed
+(separate from the idle keep-alive `socket_timeout_s`), a known path with the wrong method
+(HEAD and OPTIONS included) 405 with an `Allow` header, unknown paths 404, unknown methods 501;
+backend failures 500. What http.server refuses by itself (a garbled request line 400, a request
+line over 64 KB 414, a header line over 64 KB or over 100 headers 431) is JSON too
+(`_Handler.send_error`). Connections speak HTTP/1.1 keep-alive; an error answered before the
+body was read closes the connection (the unread body would be taken for the next request).
 
 Concurrent requests are coalesced by `BatchingRetriever` (car_jax.tools.batching): one
 worker thread searches fair batches made of slices of every waiting request, so many small
@@ -24,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import threading
 import time
 from http import HTTPStatus
@@ -35,6 +38,8 @@ from car_jax.tools.retriever import Retriever
 
 log = logging.getLogger(__name__)
 ROUTES = {"/retrieve": "POST", "/health": "GET"}  # path -> its one method
+# ASCII digits only (str.isdigit also takes "²", which int() refuses); 18 of them is an exabyte
+_LENGTH_RE = re.compile(r"[0-9]{1,18}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +118,19 @@ class _Handler(BaseHTTPRequestHandler):
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":  # its answer has headers only (RFC 9110, 9.3.2)
+            self.wfile.write(body)
+
+    def send_error(self, code, message=None, explain=None):
+        """What http.server refuses before a do_* method runs (a garbled request line, a header
+        line over 64 KB, too many headers, an unknown method) is answered as JSON like the rest,
+        not as its HTML page; the connection closes."""
+        self.log_error("code %d, message %s", code, message)
+        if self.request_version == "HTTP/0.9":  # a line too garbled to name its version
+            self.request_version = self.protocol_version  # still gets a status line and headers
+        self.close_connection = True
+        status = HTTPStatus(code)
+        self._send(status, {"error": ": ".join(filter(None, [message or status.phrase, explain]))})
 
     def _receive(self, length: int, keep: bool = True) -> tuple[bytes, int]:
         """Read up to `length` body bytes, stopping when the client closes its side or
@@ -181,7 +198,7 @@ class _Handler(BaseHTTPRequestHandler):
         except _BadRequest as err:
             return self._refuse(err)
 
-    do_PUT = do_DELETE = do_PATCH = _not_allowed
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed
 
     def do_POST(self):
         limits = self.server.limits
@@ -192,10 +209,14 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True  # its body stays unread
                 raise
             length = self.headers.get("Content-Length")
-            if length is None or not length.strip().isdigit():
+            if length is None:
                 self.close_connection = True
                 raise _BadRequest(HTTPStatus.LENGTH_REQUIRED, "a numeric Content-Length header is required")
-            length = int(length)
+            if not _LENGTH_RE.fullmatch(length.strip()):
+                self.close_connection = True
+                message = f"Content-Length must be a number of bytes in ASCII digits, got {length[:40]!r}"
+                raise _BadRequest(HTTPStatus.BAD_REQUEST, message)
+            length = int(length.strip())
             if length > limits.max_body_bytes:
                 self._discard(length)  # so the client can read the 413 instead of a reset
                 raise _BadRequest(

@@ -21,7 +21,17 @@ Rules:
   keeps bfloat16 unless the YAML sets it).
 - Overrides are `dotted.key=value`; the value is parsed as YAML (`0.0`, `true`, `[1, 2]`,
   `null`; an empty value is null). An override replaces the whole value at its key.
-- Numbers like `1e-6` are floats (PyYAML alone would read them as strings).
+- Numbers like `1e-6` are floats (PyYAML alone would read them as strings); `yes`, `no`,
+  `on` and `off` are strings (PyYAML alone would read them as bools, YAML 1.1 style).
+- Numbers must be usable: a float that is inf, -inf or nan is refused, and so is one beyond
+  float32's range (3.4e38: the device computes in float32) or an int beyond int32's (counts
+  and sizes become device shapes; a PRNG key holds 32 bits of a seed), in lists and dicts
+  too: `rollout.temperature: nan must be finite ...`. A field that takes any number says
+  so with `metadata={"finite": False}`; one that may be absent is `float | None` (null).
+- A YAML text is bounded before anything is built from it: at most MAX_DEPTH levels of
+  nesting, MAX_NODES values with its aliases expanded (a "billion laughs" file of a few
+  lines expands to 10^9), no alias inside its own anchor (`x: &x [*x]`), integers of at
+  most MAX_INT_DIGITS digits, and a config file of at most MAX_BYTES.
 - Every error is a `ConfigError` naming the dotted path of the bad key, the value, and
   what was expected. A dataclass checks its own ranges in `__post_init__` (with `require`,
   or by raising ValueError); a message that starts with `field=` (`Class.field=`, or a
@@ -46,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import tempfile
@@ -60,6 +71,14 @@ T = TypeVar("T")
 
 __all__ = ["ConfigError", "load_config", "build_config", "apply_overrides", "dump_config",
            "save_config", "parse_yaml", "require"]
+
+
+MAX_BYTES = 1 << 20  # a config file's size
+MAX_DEPTH = 100  # nested sections and lists in a YAML text
+MAX_NODES = 100_000  # values in a YAML text once its aliases are expanded
+MAX_INT_DIGITS = 100  # characters of a YAML integer (Python refuses more than 4,300 digits)
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32; a config float must fit
+INT32 = (-2**31, 2**31 - 1)  # the range of a config int
 
 
 class ConfigError(ValueError):
@@ -77,7 +96,15 @@ def require(ok: bool, field: str, value: Any, expected: str) -> None:
 # --- YAML --------------------------------------------------------------------------------
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-6`, `5E3`, `-2e+4` as floats (YAML 1.2 style)."""
+    """SafeLoader that also reads `1e-6`, `5E3`, `-2e+4` as floats and only true / false as
+    bools (YAML 1.2 style), and refuses integers of more than MAX_INT_DIGITS characters."""
+
+    def construct_yaml_int(self, node):
+        if len(node.value) > MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value):,} characters (at most {MAX_INT_DIGITS})",
+                node.start_mark)
+        return super().construct_yaml_int(node)
 
 
 _FLOAT_RE = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
@@ -96,14 +123,63 @@ for _cls in (_Loader, _Dumper):
         k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:float"]
         for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
+# the loader's bools are true / false only (the dumper still quotes 'yes', for other readers)
+_Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+                                   for k, v in _Loader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
 
 def parse_yaml(text: str) -> Any:
-    """Parses YAML text with the safe loader (plus `1e-6` floats). Errors -> ConfigError."""
+    """Parses YAML text with the safe loader (plus `1e-6` floats), within the bounds of
+    `_check_size`. Errors -> ConfigError, one line."""
     try:
+        _check_size(text)
         return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
-    except yaml.YAMLError as e:
+    except ConfigError:
+        raise
+    except yaml.MarkedYAMLError as e:
+        what = ": ".join(s for s in (e.context, e.problem) if s)
+        raise ConfigError(f"invalid YAML{_at(e.problem_mark or e.context_mark)}: {what}") from None
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: a date like 2001-13-45, say
         raise ConfigError(f"invalid YAML: {e}") from None
+
+
+def _check_size(text: str) -> None:
+    """Reads the events of `text` (no values are built) and refuses nesting deeper than
+    MAX_DEPTH, more than MAX_NODES values with the aliases expanded, and an alias inside its
+    own anchor (a structure that contains itself)."""
+    open_: list[list] = []  # [anchor, values so far] of each collection being read
+    sizes: dict[str, int] = {}  # anchor -> its values, aliases expanded
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            open_.append([event.anchor, 1])
+            if len(open_) > MAX_DEPTH:
+                raise ConfigError(f"YAML{_at(event.start_mark)}: nested deeper than {MAX_DEPTH} levels")
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            anchor, n = open_.pop()
+        elif isinstance(event, yaml.AliasEvent):
+            if any(a == event.anchor for a, _ in open_):
+                raise ConfigError(f"YAML{_at(event.start_mark)}: alias *{event.anchor} inside its own anchor "
+                                  f"&{event.anchor} (a structure that contains itself)")
+            anchor, n = None, sizes.get(event.anchor, 1)  # undefined: the composer says so
+        elif isinstance(event, yaml.ScalarEvent):
+            anchor, n = event.anchor, 1
+        else:
+            continue
+        if anchor is not None:
+            sizes[anchor] = n
+        if open_:
+            open_[-1][1] += n
+            if open_[-1][1] > MAX_NODES:
+                raise ConfigError(f"YAML{_at(event.start_mark)}: more than {MAX_NODES:,} values with its "
+                                  f"aliases expanded (aliases of aliases: a 'billion laughs')")
+
+
+def _at(mark) -> str:
+    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
 
 
 # --- overrides ---------------------------------------------------------------------------
@@ -137,7 +213,10 @@ def apply_overrides(data: Mapping[str, Any] | None, overrides: Sequence[str]) ->
                     f"override {item!r}: {'.'.join(parts[:i + 1])} is a value "
                     f"({child!r}), not a section, so it has no key {parts[i + 1]!r}")
             node = child
-        node[parts[-1]] = parse_yaml(raw) if raw.strip() else None
+        try:
+            node[parts[-1]] = parse_yaml(raw) if raw.strip() else None
+        except ConfigError as e:
+            raise ConfigError(f"{key}: {e}") from None
     return out
 
 
@@ -157,15 +236,27 @@ def load_config(cls: type[T], path: str | os.PathLike | None,
     `overrides`, and builds a `cls` instance (a dataclass), checking every value.
 
     Raises ConfigError (unknown key, wrong type, missing required key, invalid YAML,
-    `__post_init__` failure) and FileNotFoundError for a missing file.
+    `__post_init__` failure, a file that is a folder, too big or not UTF-8) and
+    FileNotFoundError for a missing file.
     """
     data: Any = {}
     if path is not None:
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            with open(path, "rb") as f:
+                raw = f.read(MAX_BYTES + 1)
         except FileNotFoundError:
             raise FileNotFoundError(f"config file {str(path)!r} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {str(path)!r} is a folder, not a YAML file") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+        if len(raw) > MAX_BYTES:
+            raise ConfigError(f"config file {str(path)!r} is over {MAX_BYTES:,} bytes: not a config")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {raw[e.start]:#04x} "
+                              f"at offset {e.start})") from None
         try:
             data = parse_yaml(text)
         except ConfigError as e:
@@ -222,6 +313,8 @@ def _build_dataclass(cls: type, data: Any, path: str) -> Any:
                 if isinstance(value, Mapping):  # a partial section, on the field's default
                     value = _merge(dump_config(default), value)
             kwargs[name] = _convert(hints[name], value, sub)
+            if f.metadata.get("finite", True):
+                _check_numbers(kwargs[name], sub)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{sub}: missing required key (no default in "
                               f"{cls.__name__}); set it in the YAML or with {sub}=...")
@@ -251,6 +344,27 @@ def _post_init_message(cls: type, path: str, msg: str, keys: list[str]) -> str:
         if path and key.startswith(f"{path}."):  # already the full dotted key
             return f"{key}: {rest}"
     return f"{_where(path)} ({cls.__name__}): {msg}"
+
+
+def _check_numbers(value: Any, path: str) -> None:
+    """Refuses a float that is not finite or beyond float32 and an int beyond int32, in a
+    converted value and its lists, tuples and dicts (a nested section checked its own)."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: {value!r} must be finite (a number, not inf or nan)")
+        if abs(value) > FLOAT32_MAX:
+            raise ConfigError(f"{path}: {value!r} must be at most {FLOAT32_MAX:.4g} in magnitude "
+                              f"(float32's range: the device computes in float32)")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not INT32[0] <= value <= INT32[1]:
+            raise ConfigError(f"{path}: {value!r} must fit in int32 ({INT32[0]} to {INT32[1]}): counts and "
+                              f"sizes become device shapes, and a PRNG key holds 32 bits of a seed")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_numbers(v, f"{path}[{i}]")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_numbers(v, f"{path}.{k}")
 
 
 def _keys(cls: type) -> list[dataclasses.Field]:
@@ -355,7 +469,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _bad(path, value, float)
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond any float
+            raise ConfigError(f"{_where(path)}: a {value.bit_length()}-bit integer must be at most "
+                              f"{FLOAT32_MAX:.4g} in magnitude (float32's range)") from None
     if tp is str:
         if not isinstance(value, str):
             raise _bad(path, value, str, f"quote it to make it a string: '{value}'")

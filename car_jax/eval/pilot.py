@@ -82,6 +82,8 @@ class PilotConfig:
     mesh: MeshConfig = MeshConfig(devices=1)
 
     def __post_init__(self):
+        require(self.seed >= 0, "seed", self.seed, ">= 0")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1")
         require(len(self.kinds) > 0 and len(set(self.kinds)) == len(self.kinds), "kinds", self.kinds,
                 "some of evidence, verification, mixed, each once")
         require(self.n_boot >= 1, "n_boot", self.n_boot, ">= 1 (the intervals are the point of the pilot)")

@@ -23,16 +23,20 @@ from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.tool_calls import Tool
 from car_jax.rollout.trajectory import EpisodeStats, Trajectory, observation_ids
 
+MAX_TOKENS = 1_000_000  # a turn's token budgets: beyond any model's context
+MAX_TURNS = 1_000  # so an episode's response, (turns + 1) x 10^6 + turns x 10^6 tokens, fits int32
+MAX_TIMEOUT_S = 86_400.0  # one day: a tool call's time limit
+
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeConfig:
     """The settings of a batch of episodes, for training rollouts and evaluation alike (the
     YAML section `rollout` of `car-jax train`, `episode` of `car-jax eval`). The sampler's
     settings are plain fields, so a YAML section stays flat; `sampler` builds the Sampler."""
-    max_turns: int = 4  # tool-using turns; then one answer-only turn
-    max_response_tokens: int = 500  # sampled tokens per turn
-    max_obs_tokens: int = 500  # observation tokens per turn (truncated beyond)
-    tool_timeout_s: float = 60.0  # per batched tool call
+    max_turns: int = 4  # tool-using turns (at most MAX_TURNS); then one answer-only turn
+    max_response_tokens: int = 500  # sampled tokens per turn (at most MAX_TOKENS)
+    max_obs_tokens: int = 500  # observation tokens per turn (truncated beyond; at most MAX_TOKENS)
+    tool_timeout_s: float = 60.0  # per batched tool call (at most MAX_TIMEOUT_S, a day)
     temperature: float = 1.0  # 0: greedy
     top_p: float = 0.95
     top_k: int = 0  # 0: off
@@ -50,8 +54,13 @@ class EpisodeConfig:
         for f in ("max_response_tokens", "max_obs_tokens"):
             if getattr(self, f) < 1:
                 raise ValueError(f"EpisodeConfig.{f}={getattr(self, f)} must be >= 1")
+            if getattr(self, f) > MAX_TOKENS:
+                raise ValueError(f"EpisodeConfig.{f}={getattr(self, f)} must be <= {MAX_TOKENS} (tokens a turn: "
+                                 "beyond any model's context)")
         if self.max_turns < 0:
             raise ValueError(f"EpisodeConfig.max_turns={self.max_turns} must be >= 0")
+        if self.max_turns > MAX_TURNS:
+            raise ValueError(f"EpisodeConfig.max_turns={self.max_turns} must be <= {MAX_TURNS} (tool turns an episode)")
         if self.max_concurrent < 0:
             raise ValueError(f"EpisodeConfig.max_concurrent={self.max_concurrent} must be >= 0 "
                              "(0: every episode at once)")
@@ -62,6 +71,9 @@ class EpisodeConfig:
             raise ValueError(f"EpisodeConfig.tool_workers={self.tool_workers} must be >= 1")
         if not self.tool_timeout_s > 0:
             raise ValueError(f"EpisodeConfig.tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds)")
+        if self.tool_timeout_s > MAX_TIMEOUT_S:
+            raise ValueError(f"EpisodeConfig.tool_timeout_s={self.tool_timeout_s} must be <= {MAX_TIMEOUT_S:g} "
+                             "(seconds: a day)")
         _ = self.sampler  # Sampler checks temperature, top_p and top_k
 
     @property

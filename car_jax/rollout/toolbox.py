@@ -18,20 +18,27 @@ from car_jax.data import search_tool, world_index
 from car_jax.tools.python_tool import PythonTool
 from car_jax.tools.sandbox import SandboxConfig
 
+MAX_TOPK = 1_000  # documents per search
+MAX_CODE_TIMEOUT_S = 86_400.0  # one day: a program's time limit
+
 
 @dataclasses.dataclass(frozen=True)
 class ToolsConfig:
     retriever: str = "world"  # "world" (built-in BM25), an index folder (`car-jax build-index`), or an http(s) URL of a retrieval server
-    topk: int = 3  # documents per search
-    code_timeout_s: float = 5.0  # seconds per program in the Python sandbox (TIR)
+    topk: int = 3  # documents per search (at most MAX_TOPK)
+    code_timeout_s: float = 5.0  # seconds per program in the Python sandbox (TIR; at most MAX_CODE_TIMEOUT_S, a day)
 
     def __post_init__(self):
         if not self.retriever:
             raise ValueError("retriever='' must be 'world', an index folder or an http(s) URL")
         if self.topk < 1:
             raise ValueError(f"topk={self.topk} must be >= 1")
-        if self.code_timeout_s <= 0:
+        if self.topk > MAX_TOPK:
+            raise ValueError(f"topk={self.topk} must be <= {MAX_TOPK} (documents per search)")
+        if not self.code_timeout_s > 0:
             raise ValueError(f"code_timeout_s={self.code_timeout_s} must be > 0")
+        if self.code_timeout_s > MAX_CODE_TIMEOUT_S:
+            raise ValueError(f"code_timeout_s={self.code_timeout_s} must be <= {MAX_CODE_TIMEOUT_S:g} (seconds: a day)")
 
 
 @dataclasses.dataclass

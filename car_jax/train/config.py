@@ -26,6 +26,9 @@ from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
 from car_jax.sharding import make_mesh
 
+MAX_GROUP = 1_000  # trajectories per prompt
+MAX_PROMPTS = 1_000_000  # prompts per step (x MAX_GROUP trajectories still fit int32)
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
@@ -100,7 +103,7 @@ class RolloutConfig(EpisodeConfig):
     """The episode settings (every EpisodeConfig field: turns, token budgets, tool timeout,
     temperature, top_p, top_k) plus what only training rollouts have: the GRPO group
     size and the action protocol. `run_episodes` takes it as its EpisodeConfig."""
-    group_size: int = 5  # G trajectories per prompt
+    group_size: int = 5  # G trajectories per prompt (at most MAX_GROUP)
     protocol: Literal["car_search", "search_r1", "tir", "mixed"] = "car_search"  # rollout.protocols.PROTOCOLS
 
     def __post_init__(self):
@@ -108,12 +111,14 @@ class RolloutConfig(EpisodeConfig):
         require(self.group_size >= 2, "group_size", self.group_size,
                 ">= 2: GRPO's advantage compares the trajectories of a prompt with each other (a group of one "
                 "has no baseline: its advantage would be the raw reward)")
+        require(self.group_size <= MAX_GROUP, "group_size", self.group_size,
+                f"<= {MAX_GROUP} (trajectories per prompt)")
 
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     steps: int = 100  # 0: the SFT warm start alone (needs sft.steps > 0), exported as run.dir/hf
-    prompts_per_step: int = 512
+    prompts_per_step: int = 512  # at most MAX_PROMPTS
     mini_batch: int = 0  # trajectories per optimizer update; 0 = the whole step's batch
     micro_batch: int = 0  # trajectories per gradient micro-batch; 0 = the mini-batch
     epochs: int = 1  # passes over each rollout batch
@@ -124,7 +129,8 @@ class RLConfig:
 
     def __post_init__(self):
         require(self.steps >= 0, "steps", self.steps, ">= 0 (GRPO steps to run; 0: SFT only)")
-        require(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step, ">= 1")
+        require(1 <= self.prompts_per_step <= MAX_PROMPTS, "prompts_per_step", self.prompts_per_step,
+                f">= 1 and <= {MAX_PROMPTS}")
         for f in ("mini_batch", "micro_batch"):
             require(getattr(self, f) >= 0, f, getattr(self, f), ">= 0 (0: the whole step's / mini-batch's rows)")
         require(self.epochs >= 1, "epochs", self.epochs, ">= 1")
@@ -165,7 +171,7 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    seed: int = 0
+    seed: int = 0  # 0 .. 2^31 - 1 (the loader's int32 range; a PRNG key holds its low 32 bits)
     model: PolicyConfig = PolicyConfig()
     mesh: MeshConfig = MeshConfig()
     data: DataConfig = DataConfig()

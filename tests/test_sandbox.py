@@ -1,9 +1,11 @@
 """Python sandbox: each hostile program ends within its limit with a clear observation and
 leaves nothing behind (no process, no file outside its private working dir)."""
 import dataclasses
+import math
 import os
 import platform
 import socket
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -131,6 +133,31 @@ def test_forked_children_share_one_memory_bound(traced, monkeypatch, meter):
     assert result.ok and obs == "Code execution result: [0, 0, 0]\n", result
 
 
+UNMETERED = """import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.shmget(0, 1 << 20, 0o1600), ctypes.get_errno())  # IPC_PRIVATE, IPC_CREAT | 0600
+print(libc.msgget(0, 0o1600), ctypes.get_errno())
+print(libc.syscall(425, 8, ctypes.create_string_buffer(120)), ctypes.get_errno())  # io_uring_setup
+fds = [os.memfd_create(f"m{i}") for i in range(128)]
+for fd in fds:  # 16 MB each (RLIMIT_FSIZE), 2 GB in all, in no mapping of any process
+    os.write(fd, bytes(16 << 20))
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("meter", ["auto", "watchdog"])
+def test_memory_no_meter_sees_is_refused(traced, monkeypatch, meter):
+    if meter == "watchdog":  # PSS counts only mapped pages: memfd pages are not
+        monkeypatch.setattr(sandbox, "open_meter", _sandbox_memory.TreeMeter)
+    result, obs = traced(UNMETERED, SandboxConfig(timeout_s=10, memory_mb=192, total_memory_mb=256))
+    if not SECCOMP:
+        assert "seccomp" not in result.isolation
+        return
+    assert not result.timed_out and not result.memory_limited and result.exit_code == 1, result
+    assert result.stdout.splitlines() == ["-1 1"] * 3
+    assert obs == "Code execution result: PermissionError: [Errno 1] Operation not permitted"
+
+
 def test_deep_recursion_reports_its_error_quickly(traced):
     code = """import sys
 sys.setrecursionlimit(10**7)
@@ -171,6 +198,34 @@ print(depth(40_000))
     assert result.ok and obs == "Code execution result: 40000\n", result
 
 
+def test_deep_recursion_in_a_thread_has_the_stack_it_needs(traced):
+    # only the main thread's stack grows: a thread needs one sized for the recursion limit
+    code = """import functools, sys, threading
+sys.setrecursionlimit(10**6)
+@functools.lru_cache(maxsize=None)
+def depth(n):
+    return 0 if n == 0 else depth(n - 1) + 1
+class A:
+    def __repr__(self):
+        return repr(A())
+def run():
+    print(depth(40_000))
+    try:
+        repr(A())
+    except RecursionError as err:
+        print(type(err).__name__)
+thread = threading.Thread(target=run)
+thread.start()
+thread.join()
+more = [threading.Thread(target=threading.Event().wait, args=(0.2,)) for _ in range(6)]
+[t.start() for t in more]  # past the big stacks' budget, threads still start (with 8 MB)
+[t.join() for t in more]
+print(len(more))
+"""
+    result, obs = traced(code)
+    assert result.ok and result.stdout == "40000\nRecursionError\n6\n", result
+
+
 def test_no_new_namespaces(traced):
     code = ("import ctypes, os, shutil, subprocess, threading\n"
             "libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -201,6 +256,8 @@ def _run_bpf(program, data: bytes) -> int:
             acc = int.from_bytes(data[k:k + 4], "little")
         elif code == 0x06:  # ret k
             return k
+        elif code == 0x54:  # acc &= k
+            acc &= k
         else:
             taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
             pc += jt if taken else jf
@@ -232,6 +289,33 @@ def test_seccomp_program_decisions(machine, arch, nrs):
     assert sandbox_child.seccomp_program("riscv64") is None
 
 
+@pytest.mark.parametrize("machine, arch, nrs", [
+    ("x86_64", 0xC000003E, {"socket": 41, "socketpair": 53, "memfd_create": 319, "shmget": 29,
+                            "msgget": 68, "io_uring_setup": 425, "connect": 42, "shmat": 30}),
+    ("aarch64", 0xC00000B7, {"socket": 198, "socketpair": 199, "memfd_create": 279, "shmget": 194,
+                             "msgget": 186, "io_uring_setup": 425, "connect": 203, "shmat": 196}),
+])
+def test_seccomp_refuses_unix_sockets_and_unmetered_memory(machine, arch, nrs):
+    program = sandbox_child.seccomp_program(machine)
+    allow, eperm = 0x7FFF0000, 0x00050001
+
+    def decide(nr, *args):  # seccomp_data: nr, arch, instruction pointer, six arguments
+        words = [*args] + [0] * (6 - len(args))
+        data = nr.to_bytes(4, "little") + arch.to_bytes(4, "little") + bytes(8)
+        return _run_bpf(program, data + b"".join(w.to_bytes(8, "little") for w in words))
+
+    unix, inet, inet6, netlink = 1, 2, 10, 16
+    stream, dgram, raw, seqpacket, cloexec, nonblock = 1, 2, 3, 5, 0x80000, 0x800
+    assert decide(nrs["socket"], unix, stream) == decide(nrs["socket"], unix, dgram | cloexec) == eperm
+    assert [decide(nrs["socket"], family, stream) for family in (inet, inet6, netlink)] == [allow] * 3
+    assert decide(nrs["socketpair"], unix, stream | cloexec | nonblock) == allow
+    assert decide(nrs["socketpair"], unix, seqpacket) == allow
+    assert decide(nrs["socketpair"], unix, dgram | cloexec) == decide(nrs["socketpair"], unix, raw) == eperm
+    for name in ("memfd_create", "shmget", "msgget", "io_uring_setup"):
+        assert decide(nrs[name]) == eperm, name
+    assert decide(nrs["connect"], 3) == decide(nrs["shmat"], 0) == allow
+
+
 def test_daemon_that_leaves_the_process_group_dies_too(traced):
     result, obs = traced("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')")
     assert result.ok and obs == "Code execution result: parent done\n"
@@ -248,6 +332,17 @@ def test_syntax_error(traced):
     result, obs = traced("def f(:\n    return 1")
     assert result.exit_code == 1 and obs == "Code execution result: SyntaxError: invalid syntax"
     assert 'File "main.py", line 1' in result.stderr
+
+
+@pytest.mark.parametrize("code, error", [
+    ("x = (" + "1 + " * 50_000 + "))\n", "SyntaxError: unmatched ')'"),  # the 200 KB line is echoed
+    ("raise ValueError('x' * 10**6)", "ValueError: " + "x" * 138),
+])
+def test_a_huge_line_in_a_traceback_is_cut(traced, code, error):
+    result, obs = traced(code)
+    assert result.exit_code == 1 and not result.output_limited, result
+    assert obs.startswith(f"Code execution result: {error}") and "chars cut" in result.stderr
+    assert max(map(len, result.stderr.splitlines())) < 2 * sandbox_child.TRACEBACK_LINE_CHARS
 
 
 def test_runtime_error_reports_last_stderr_line(traced):
@@ -317,6 +412,53 @@ def test_no_network_not_even_loopback(traced):
     assert obs == "Code execution result: OSError: [Errno 101] Network is unreachable"
 
 
+UNIX_SOCKETS = """import asyncio, multiprocessing, socket
+for kind, path in (('stream', {stream!r}), ('dgram', {dgram!r})):
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM if kind == 'stream' else socket.SOCK_DGRAM)
+        s.connect(path)
+        s.send(b'x')
+        print(kind, 'sent')
+    except OSError as err:
+        print(kind, type(err).__name__)
+try:  # a datagram pair can be re-connected, or sent from, to any path
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    a.sendto(b'x', {dgram!r})
+    print('pair sent')
+except OSError as err:
+    print('pair', type(err).__name__)
+a, b = socket.socketpair()  # stream pairs still work: asyncio and multiprocessing use them
+a.send(b'ok')
+print(b.recv(2).decode(), asyncio.run(asyncio.sleep(0, 'asyncio')))
+with multiprocessing.Pool(2) as pool:
+    print(pool.map(abs, [-1, -2]))
+"""
+
+
+def test_unix_sockets_of_the_host_are_out_of_reach(traced):
+    # a 0777 socket in the (read-only) host tree: the network namespace does not cover it
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent, prefix=".sock_") as where:
+        os.chmod(where, 0o755)
+        stream, dgram = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        with stream, dgram:
+            for sock, name in ((stream, "s"), (dgram, "d")):
+                sock.bind(os.path.join(where, name))
+                os.chmod(os.path.join(where, name), 0o777)
+                sock.setblocking(False)
+            stream.listen()
+            result, obs = traced(UNIX_SOCKETS.format(stream=f"{where}/s", dgram=f"{where}/d"))
+            if not SECCOMP:  # no filter for this CPU: the run must say so
+                assert "seccomp" not in result.isolation
+                return
+            with pytest.raises(BlockingIOError):  # the program has ended: nothing came
+                stream.accept()
+            with pytest.raises(BlockingIOError):
+                dgram.recv(1)
+    assert result.ok, result
+    assert result.stdout.splitlines() == ["stream PermissionError", "dgram PermissionError",
+                                          "pair PermissionError", "ok asyncio", "[1, 2]"]
+
+
 def test_scrubbed_environment_and_identity(traced, monkeypatch):
     monkeypatch.setenv("CAR_JAX_SECRET_TOKEN", "hunter2")
     result, _ = traced("import os, sys\nprint(os.getuid(), os.getgid(), os.getgroups())\n"
@@ -338,6 +480,28 @@ def test_code_too_long_and_none_isolation():
     else:
         result = run_python("print(1)", SandboxConfig(isolation="none"))
         assert result.ok and "net" not in result.isolation
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 0])
+def test_a_timeout_that_is_not_finite_and_positive_is_refused(bad):
+    with pytest.raises(ValueError, match="timeout_s must be finite and > 0"):
+        SandboxConfig(timeout_s=bad)
+    with pytest.raises(ValueError, match="cpu_s must be finite and > 0"):
+        SandboxConfig(cpu_s=bad)
+
+
+def test_a_failed_setup_leaves_nothing_behind(monkeypatch):
+    made, meters = [], []
+    real_mkdtemp, real_meter = sandbox.tempfile.mkdtemp, sandbox.open_meter
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", lambda *a, **k: made.append(real_mkdtemp(*a, **k)) or made[-1])
+    monkeypatch.setattr(sandbox, "open_meter", lambda *a, **k: meters.append(real_meter(*a, **k)) or meters[-1])
+    broken = SandboxConfig()
+    object.__setattr__(broken, "timeout_s", math.nan)  # past the check: fails after setup began
+    with pytest.raises(ValueError):
+        run_python("print(1)", broken)
+    assert made and not os.path.exists(made[0]), "temp dir left behind"
+    if isinstance(meters[0], _sandbox_memory.CgroupMeter):
+        assert not os.path.exists(meters[0].path), "memory cgroup left behind"
 
 
 def test_extract_code_follows_simpletir():

@@ -76,3 +76,13 @@ def test_python_tool_rows_end_on_their_own():
     timeout = "code failed: timed out after 1.5 s"
     assert out == [("Code execution result: 42\n", None), (timeout, timeout),
                    ("Code execution result: ZeroDivisionError: division by zero", None)]
+
+
+def test_rows_queued_behind_slow_programs_still_run():
+    # one worker, five programs that each run into the sandbox's own 1 s limit: the innocent
+    # row starts after at least 5 s, past the call's 4 s; its time counts from its start
+    sleeper, innocent = "import time\ntime.sleep(60)", "print('ran')"
+    with PythonTool(SandboxConfig(timeout_s=1), max_workers=1) as tool:
+        out = call_tool(tool, "code", [sleeper] * 5 + [innocent], timeout_s=4)
+    own_timeout = "Code execution result: TimeoutError: execution exceeded the time limit of 1 s"
+    assert out == [(own_timeout, None)] * 5 + [("Code execution result: ran\n", None)]

@@ -5,9 +5,13 @@ instead of ending the episode.
 What a deadline (`timeout_s`) fails depends on what the tool can tell apart:
 - a `RowTool` also has `submit(requests) -> [Future]`, one future per request (PythonTool:
   every program runs in its own sandbox, under its own time limit). It is waited on row by
-  row: at the deadline a row whose future is done gets its result, or its own error if it
-  raised; a row still pending gets the timeout error, and its work is cancelled if it has
-  not started. A few slow rows no longer fail the rows that finished.
+  row, and each row's deadline counts from when that row started running: a row whose
+  future is done gets its result, or its own error if it raised; a row still running
+  `timeout_s` after it started gets the timeout error. Rows queued behind slow ones (more
+  rows than the tool has workers) wait for a worker without losing time, so slow rows fail
+  alone; a queued row fails (and is cancelled) only when no row of the call has started
+  or ended for `timeout_s`. The whole call can then take longer than `timeout_s`: about
+  rows / workers program time limits.
 - any other tool is one batched computation (a retriever encodes and searches all queries
   at once): no row has a result before the whole batch does, so a timeout or an exception
   is every row's error. Splitting such a call per row would lose the batching it exists
@@ -16,11 +20,13 @@ What a deadline (`timeout_s`) fails depends on what the tool can tell apart:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from typing import Callable, Protocol, runtime_checkable
 
 from car_jax.rollout.protocols import INVALID, VOID, Action
 
 Tool = Callable[[list[str]], list[str]]  # batched: one result text per request
+POLL_S = 0.05  # how often a RowTool call looks for rows that started
 
 
 @runtime_checkable
@@ -64,7 +70,10 @@ def call_tool(tool: Tool, name: str, requests: list[str], timeout_s: float) -> l
 
 
 def _call_rows(tool: RowTool, name: str, requests: list[str], timeout_s: float) -> list[tuple[str, str | None]]:
-    """One future per request, one shared deadline; each row ends on its own."""
+    """One future per request; each row's deadline counts from when it started running
+    (polled every POLL_S), so rows queued behind slow ones still get their time. A row
+    that has not started fails (and is cancelled) once no row of the call has started or
+    ended for `timeout_s`: the tool's workers are stuck."""
     try:
         futures = tool.submit(list(requests))
         if len(futures) != len(requests):
@@ -72,11 +81,30 @@ def _call_rows(tool: RowTool, name: str, requests: list[str], timeout_s: float) 
     except Exception as exc:  # noqa: BLE001
         err = _failed(name, exc)
         return [(err, err)] * len(requests)
-    done, _ = cf.wait(futures, timeout=timeout_s)
+    started: dict[int, float] = {}
+    expired: set[int] = set()
+    waiting = set(range(len(futures)))
+    progress = time.monotonic()  # the last time a row started or ended
+    while waiting:
+        now = time.monotonic()
+        for i in list(waiting):
+            if futures[i].done():
+                waiting.discard(i)
+                progress = now
+            elif i not in started and futures[i].running():
+                started[i] = progress = now
+        for i in list(waiting):
+            if started.get(i, progress) + timeout_s <= now:
+                futures[i].cancel()  # a row that has not started yet never will
+                waiting.discard(i)
+                expired.add(i)
+        if waiting:
+            until = min(started.get(i, progress) for i in waiting) + timeout_s
+            cf.wait([futures[i] for i in waiting], timeout=min(max(until - now, 0), POLL_S),
+                    return_when=cf.FIRST_COMPLETED)
     out: list[tuple[str, str | None]] = []
-    for future in futures:
-        if future not in done:
-            future.cancel()  # a row that has not started yet never will
+    for i, future in enumerate(futures):
+        if i in expired:
             err = _timed_out(name, timeout_s)
         elif future.exception() is not None:
             err = _failed(name, future.exception())

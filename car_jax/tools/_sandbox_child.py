@@ -12,7 +12,8 @@ Steps, in order:
    namespace;
 4. resource limits (CPU seconds, address space, processes, file size, open files, no core);
 5. no_new_privs, then drop to the sandbox uid/gid when one is given (the parent was root);
-6. a seccomp filter that refuses new namespaces (x86_64 and aarch64);
+6. a seccomp filter (x86_64 and aarch64) that refuses new namespaces, Unix sockets that
+   could reach a path, memfd / SysV memory and io_uring (see the comment above it);
 7. report "ready" on the status pipe (" seccomp" appended when the filter is in place,
    " read-only-partial" when some filesystem refused the read-only remount) and close every
    other descriptor;
@@ -40,7 +41,12 @@ _KEEP = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC
 PR_SET_NO_NEW_PRIVS = 38
 SETUP_FAILED = 125
 TRACEBACK_FRAMES = 50  # printed (the last ones) when the program fails
-THREAD_STACK_BYTES = 8 << 20
+TRACEBACK_LINE_CHARS = 300  # a longer traceback line (source, caret, message) is cut
+THREAD_STACK_BYTES = 8 << 20  # the usual default, and the least a thread gets
+# C stack given to new threads per level of the recursion limit: C recursion costs 100-730
+# bytes a level (lru_cache, __repr__, __eq__, __getattr__, map, json, pickle; measured on
+# CPython 3.11 x86_64), more through a few calls (sorted with a key: ~5 KB)
+THREAD_STACK_PER_LEVEL = 1024
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -180,20 +186,33 @@ def _drop_privileges(cfg):
         raise OSError(f"still uid {os.geteuid()} after setuid({cfg['uid']})")
 
 
-# seccomp: no new namespaces. A user namespace would make the program root of a fresh
-# namespace (and open the kernel code behind it); the others need privileges it lacks, and
-# are refused too. clone3 passes its flags in memory a filter cannot read: it answers ENOSYS,
-# so the C library falls back to clone, whose flags are checked.
+# seccomp, refusing what the namespaces and meters do not cover:
+# - new namespaces. A user namespace would make the program root of a fresh namespace (and
+#   open the kernel code behind it); the others need privileges it lacks, and are refused
+#   too. clone3 passes its flags in memory a filter cannot read: it answers ENOSYS, so the C
+#   library falls back to clone, whose flags are checked.
+# - Unix sockets that could reach the host: the network namespace does not cover sockets
+#   bound to a path, and a read-only mount does not stop connect(). connect() and sendto()
+#   carry the address in memory the filter cannot read, so the rule is on creation:
+#   socket(AF_UNIX) fails, and socketpair() only makes stream and seqpacket pairs (a
+#   datagram socket can be re-connected, or sent from, to any path).
+# - memory no meter sees without a memory cgroup: memfd_create (pages of no mount and often
+#   of no mapping), SysV shared memory and message queues (shmget, msgget).
+# - io_uring_setup: io_uring runs socket operations this filter never sees.
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 _ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}  # AUDIT_ARCH_*
-_SYSCALLS = {  # unshare, clone, clone3, setns
-    "x86_64": (272, 56, 435, 308),
-    "aarch64": (97, 220, 435, 268),
+_SYSCALLS = {  # from the kernel's tables (x86_64: syscall_64.tbl; aarch64: asm-generic)
+    "x86_64": dict(unshare=272, clone=56, clone3=435, setns=308, socket=41, socketpair=53,
+                   memfd_create=319, shmget=29, msgget=68, io_uring_setup=425),
+    "aarch64": dict(unshare=97, clone=220, clone3=435, setns=268, socket=198, socketpair=199,
+                    memfd_create=279, shmget=194, msgget=186, io_uring_setup=425),
 }
+REFUSED = ("setns", "memfd_create", "shmget", "msgget", "io_uring_setup")  # EPERM, whatever the arguments
 CLONE_NEW_ANY = 0x7E020000  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET}
 CLONE_NEWTIME = 0x80  # unshare only: in clone's flags this bit belongs to the exit signal
+AF_UNIX, SOCK_STREAM, SOCK_SEQPACKET, SOCK_TYPE_MASK = 1, 1, 5, 0xF
 X32_SYSCALL_BIT = 0x40000000
-_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF opcodes (32-bit)
+_LD_ABS, _AND, _JEQ, _JGE, _JSET, _RET = 0x20, 0x54, 0x15, 0x35, 0x45, 0x06  # BPF opcodes (32-bit)
 _ALLOW, _ERRNO, EPERM, ENOSYS = 0x7FFF0000, 0x00050000, 1, 38
 
 
@@ -216,32 +235,39 @@ def _assemble(lines):
 
 def seccomp_program(machine):
     """The filter for `machine` (platform.machine()), or None where it is not known.
-    seccomp_data: nr at offset 0, arch at 4, args[0] (low 32 bits) at 16."""
+    seccomp_data: nr at offset 0, arch at 4, args[0] (low 32 bits) at 16, args[1] at 24."""
     if machine not in _ARCH:
         return None
-    unshare, clone, clone3, setns = _SYSCALLS[machine]
+    nr = _SYSCALLS[machine]
     return _assemble([
         (None, _LD_ABS, 4, None, None),
         (None, _JEQ, _ARCH[machine], None, "deny"),  # another ABI (i386, int 0x80)
         (None, _LD_ABS, 0, None, None),
         (None, _JGE, X32_SYSCALL_BIT, "deny", None),  # the x32 ABI
-        (None, _JEQ, unshare, "unshare", None),
-        (None, _JEQ, clone, "clone", None),
-        (None, _JEQ, clone3, "nosys", None),
-        (None, _JEQ, setns, "deny", None),
+        (None, _JEQ, nr["unshare"], "unshare", None),
+        (None, _JEQ, nr["clone"], "clone", None),
+        (None, _JEQ, nr["clone3"], "nosys", None),
+        (None, _JEQ, nr["socket"], "socket", None),
+        (None, _JEQ, nr["socketpair"], "socketpair", None),
+        *[(None, _JEQ, nr[name], "deny", None) for name in REFUSED],
         (None, _RET, _ALLOW, None, None),
         ("unshare", _LD_ABS, 16, None, None),
-        (None, _JSET, CLONE_NEW_ANY | CLONE_NEWTIME, "deny", None),
-        (None, _RET, _ALLOW, None, None),
+        (None, _JSET, CLONE_NEW_ANY | CLONE_NEWTIME, "deny", "allow"),
         ("clone", _LD_ABS, 16, None, None),
-        (None, _JSET, CLONE_NEW_ANY, "deny", None),
-        (None, _RET, _ALLOW, None, None),
+        (None, _JSET, CLONE_NEW_ANY, "deny", "allow"),
+        ("socket", _LD_ABS, 16, None, None),  # the domain
+        (None, _JEQ, AF_UNIX, "deny", "allow"),
+        ("socketpair", _LD_ABS, 24, None, None),  # the type, with SOCK_NONBLOCK / SOCK_CLOEXEC
+        (None, _AND, SOCK_TYPE_MASK, None, None),
+        (None, _JEQ, SOCK_STREAM, "allow", None),
+        (None, _JEQ, SOCK_SEQPACKET, "allow", "deny"),
+        ("allow", _RET, _ALLOW, None, None),
         ("nosys", _RET, _ERRNO | ENOSYS, None, None),
         ("deny", _RET, _ERRNO | EPERM, None, None),
     ])
 
 
-def _no_new_namespaces():
+def _install_seccomp():
     """Install the filter (needs no_new_privs, set before); False where the CPU is unknown."""
     program = seccomp_program(platform.machine())
     if program is None:
@@ -277,12 +303,48 @@ def _cap_recursion(cap):
     sys.setrecursionlimit = setrecursionlimit
 
 
+def _size_thread_stacks(budget):
+    """Start each thread with a C stack for the recursion limit in force then (the main
+    thread's grows as needed): THREAD_STACK_PER_LEVEL bytes a level, at least
+    THREAD_STACK_BYTES. A stack is address space, counted in RLIMIT_AS though touched only
+    as used, so the stacks above THREAD_STACK_BYTES take at most `budget` bytes in all;
+    past it, or where the address space has no room left, a thread gets THREAD_STACK_BYTES
+    (a deep C recursion in it may then still end in SIGSEGV). A size the program sets with
+    threading.stack_size is used as it is. (Python >= 3.13 starts threads another way and
+    bounds C recursion itself: there every thread gets THREAD_STACK_BYTES.)"""
+    real_start, real_size = getattr(threading, "_start_new_thread", None), threading.stack_size
+    state = {"own": None, "left": budget}
+
+    def stack_size(size=0):
+        """threading.stack_size; the program's own choice, used for every thread it starts."""
+        state["own"] = size
+        return real_size(size)
+
+    def start_new_thread(function, args, kwargs={}):  # noqa: B006 - _thread's own signature
+        size = min(sys.getrecursionlimit() * THREAD_STACK_PER_LEVEL, state["left"])
+        if state["own"] is None and size > THREAD_STACK_BYTES:
+            real_size(size)
+            try:
+                ident = real_start(function, args, kwargs)
+                state["left"] -= size
+                return ident
+            except RuntimeError:  # "can't start new thread": no room for that stack
+                pass
+            finally:
+                real_size(THREAD_STACK_BYTES)
+        return real_start(function, args, kwargs)
+
+    # with an unlimited stack limit glibc gives new threads 2 MB; keep the usual 8 MB
+    real_size(THREAD_STACK_BYTES)
+    if real_start is not None:
+        threading.stack_size, threading._start_new_thread = stack_size, start_new_thread
+
+
 def _run_program(source, cfg):
     with open("main.py", "wb") as f:  # so tracebacks can show source lines
         f.write(source)
     _cap_recursion(cfg["max_recursion"])
-    # with an unlimited stack limit glibc gives new threads 2 MB; keep the usual 8 MB
-    threading.stack_size(THREAD_STACK_BYTES)
+    _size_thread_stacks((cfg["memory_mb"] << 20) // 4)
     try:
         code = compile(source, "main.py", "exec")
         exec(code, {"__name__": "__main__", "__builtins__": __builtins__, "final_answer": final_answer})
@@ -290,10 +352,20 @@ def _run_program(source, cfg):
         raise
     except BaseException as err:  # noqa: BLE001 - report like the interpreter would
         tb = err.__traceback__.tb_next if err.__traceback__ else None  # hide this frame
-        # the last frames only: a deep recursion leaves up to max_recursion of them
-        traceback.print_exception(type(err), err, tb, limit=-TRACEBACK_FRAMES)
+        # the last frames only: a deep recursion leaves up to max_recursion of them; each
+        # line cut, so that a huge source line or message cannot pass the output cap
+        text = "".join(traceback.format_exception(type(err), err, tb, limit=-TRACEBACK_FRAMES))
+        sys.stderr.write("\n".join(_cut(line) for line in text.split("\n")))
         sys.stderr.flush()
         raise SystemExit(1) from None
+
+
+def _cut(line):
+    """`line` with at most TRACEBACK_LINE_CHARS characters: head and tail around a marker."""
+    if len(line) <= TRACEBACK_LINE_CHARS:
+        return line
+    keep = TRACEBACK_LINE_CHARS // 2
+    return f"{line[:keep]}...[{len(line) - 2 * keep} chars cut]...{line[-keep:]}"
 
 
 def _reap(child):
@@ -326,7 +398,7 @@ def main():
         os.environ.update(HOME=work, TMPDIR=work, MPLCONFIGDIR=work)
         _limits(cfg)
         _drop_privileges(cfg)
-        filtered = _no_new_namespaces()
+        filtered = _install_seccomp()
     except Exception as err:  # noqa: BLE001
         print(f"sandbox setup failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         os._exit(SETUP_FAILED)

@@ -7,17 +7,21 @@ What is isolated (Linux; each call is a fresh process tree):
   else a watchdog summing the process tree's PSS); past it the whole call is killed;
 - stack and recursion: the soft RLIMIT_STACK is raised to the hard one (so the C stack of
   the main thread is bounded by RLIMIT_AS) and `sys.setrecursionlimit` is capped at
-  `max_recursion`, so deep recursion ends in a RecursionError, not a segfault or the timeout
-  (the traceback printed keeps the last frames only);
+  `max_recursion`, so deep recursion ends in a RecursionError, not a segfault (the traceback
+  printed keeps the last frames only, each line cut); a thread gets a C stack sized for the
+  recursion limit when it starts, within a budget of a quarter of `memory_mb`;
 - processes: RLIMIT_NPROC. It counts every process of the sandbox uid, so concurrent
   sandboxes running as the same uid share that budget; root ignores it, hence the next point;
 - privileges: when the trainer runs as root the program runs as uid/gid 65534 (nobody) with
   no supplementary groups and no_new_privs, so it cannot signal the trainer, read root-only
   files or regain privileges through setuid binaries;
-- namespaces of its own: a seccomp filter (x86_64, aarch64; needs only no_new_privs, so root
-  or not) refuses unshare/clone with any CLONE_NEW* flag and setns: no user namespace;
+- system calls: a seccomp filter (x86_64, aarch64; needs only no_new_privs, so root or not)
+  refuses unshare/clone with any CLONE_NEW* flag and setns (no user namespace), Unix sockets
+  that could reach a path (socket(AF_UNIX), datagram socketpairs), memory no meter sees
+  (memfd_create, shmget, msgget) and io_uring_setup; see _sandbox_child;
 - network, with namespaces (`unshare`, used when it works): a private network namespace
-  whose loopback is down, so no connection to anything, 127.0.0.1 included;
+  whose loopback is down, so no IP connection, 127.0.0.1 included (path-based Unix sockets,
+  which a network namespace does not cover, are the filter's);
 - processes seen and left behind, with namespaces: a PID namespace; when the program ends
   the kernel kills everything it started, even daemons that left the process group;
 - files, with namespaces: a private mount namespace in which every filesystem is read-only
@@ -31,7 +35,10 @@ What is isolated (Linux; each call is a fresh process tree):
 - output: stdout and stderr are read with a hard byte cap; exceeding it kills the program;
   bytes are decoded as UTF-8 with errors="replace".
 What is NOT isolated: the program can read every world-readable file (the repository, the
-venv, /etc), use the CPU and memory allowed above, and call any other system call.
+venv, /etc), use the CPU and memory allowed above, and call any other system call. Without
+a memory cgroup, kernel memory (socket and pipe buffers) is not counted. Printing a container
+nested D deep costs ~D^2/2 steps in CPython (Py_ReprEnter scans the containers being
+printed): at the 100,000 cap that is seconds, and may reach the time limit.
 Without namespaces (no `unshare`, or not permitted; the result's `isolation` says which
 parts applied and a warning is logged once): no network isolation, /tmp is the host's, and a
 process that calls setsid() can outlive the call (unless the call has a memory cgroup, whose
@@ -40,6 +47,7 @@ the program runs as the trainer's user (unprivileged user namespaces are used wh
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -89,8 +97,11 @@ class SandboxConfig:
     def __post_init__(self):
         if self.isolation not in ("auto", "namespaces", "none"):
             raise ValueError(f"isolation {self.isolation!r}: use 'auto', 'namespaces' or 'none'")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        # checked here, before any call makes a folder or a cgroup (NaN fails every comparison)
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be finite and > 0, got {self.timeout_s}")
+        if self.cpu_s is not None and not 0 < self.cpu_s < math.inf:
+            raise ValueError(f"cpu_s must be finite and > 0 (or None), got {self.cpu_s}")
         if self.total_memory_mb is not None and self.total_memory_mb <= 0:
             raise ValueError(f"total_memory_mb must be positive (or None), got {self.total_memory_mb}")
         if self.max_recursion < 100:
@@ -210,47 +221,45 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> SandboxRes
             "namespaces are unavailable to re-expose it: install Python in a world-readable place "
             "(or, unsafely, keep root with SandboxConfig(uid=None))"
         )
-    hostdir = tempfile.mkdtemp(prefix="car_jax_sandbox_")
-    if drop:
-        os.chown(hostdir, config.uid, config.gid)
-    meter = open_meter(config.call_memory_mb << 20)
-    status_r, status_w = os.pipe()
-    settings = {
-        "mounts": iso.mounts, "uid": config.uid if drop else None, "gid": config.gid,
-        "stash_dir": hostdir, "status_fd": status_w, "disk_mb": config.disk_mb,
-        "cpu_s": config.cpu_s or math.ceil(config.timeout_s) + 1, "memory_mb": config.memory_mb,
-        "max_procs": config.max_procs, "max_file_mb": config.max_file_mb,
-        "max_open_files": config.max_open_files, "max_recursion": config.max_recursion,
-        "cgroup_procs": meter.procs_file,
-    }
-    cmd = [*iso.prefix, *_raise_stack(), python, "-I", "-u", "-X", "utf8", LAUNCHER, json.dumps(settings)]
-    start = time.monotonic()
-    try:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            cwd=hostdir, env=_scrubbed_env(), start_new_session=True, pass_fds=(status_w,),
-        )
-    except OSError:
-        os.close(status_r)
-        shutil.rmtree(hostdir, ignore_errors=True)
-        meter.close()
-        raise
-    finally:
-        os.close(status_w)
-    meter.watch(proc.pid)
-    try:
-        threading.Thread(target=_feed, args=(proc.stdin, source), daemon=True).start()
-        out, err, ended = _collect(proc, start + config.timeout_s, config.max_output_bytes, meter)
-    finally:
-        _terminate(proc, "pid" in iso.names)
-        status = os.read(status_r, 64)
-        os.close(status_r)
-        for stream in (proc.stdout, proc.stderr):
-            stream.close()
-        shutil.rmtree(hostdir, ignore_errors=True)
-        if not ended and meter.exceeded():  # e.g. a child OOM-killed, the program went on
-            ended = "memory"
-        meter.close()
+    with contextlib.ExitStack() as undo:  # whatever was made is undone, on any exception too
+        hostdir = tempfile.mkdtemp(prefix="car_jax_sandbox_")
+        undo.callback(shutil.rmtree, hostdir, ignore_errors=True)
+        if drop:
+            os.chown(hostdir, config.uid, config.gid)
+        meter = open_meter(config.call_memory_mb << 20)
+        undo.callback(meter.close)
+        status_r, status_w = os.pipe()
+        undo.callback(os.close, status_r)
+        try:
+            settings = {
+                "mounts": iso.mounts, "uid": config.uid if drop else None, "gid": config.gid,
+                "stash_dir": hostdir, "status_fd": status_w, "disk_mb": config.disk_mb,
+                "cpu_s": config.cpu_s or math.ceil(config.timeout_s) + 1, "memory_mb": config.memory_mb,
+                "max_procs": config.max_procs, "max_file_mb": config.max_file_mb,
+                "max_open_files": config.max_open_files, "max_recursion": config.max_recursion,
+                "cgroup_procs": meter.procs_file,
+            }
+            cmd = [*iso.prefix, *_raise_stack(), python, "-I", "-u", "-X", "utf8", LAUNCHER,
+                   json.dumps(settings)]
+            start = time.monotonic()
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=hostdir, env=_scrubbed_env(), start_new_session=True, pass_fds=(status_w,),
+            )
+        finally:
+            os.close(status_w)
+        ended = None
+        try:
+            meter.watch(proc.pid)
+            threading.Thread(target=_feed, args=(proc.stdin, source), daemon=True).start()
+            out, err, ended = _collect(proc, start + config.timeout_s, config.max_output_bytes, meter)
+        finally:
+            _terminate(proc, "pid" in iso.names)
+            status = os.read(status_r, 64)
+            for stream in (proc.stdout, proc.stderr):
+                stream.close()
+            if not ended and meter.exceeded():  # e.g. a child OOM-killed, the program went on
+                ended = "memory"
     timed_out, limited, memory = ended == "timeout", ended == "output", ended == "memory"
     code_ = None if ended else _exit_code(proc.returncode)
     stderr = err.decode("utf-8", "replace")

@@ -196,3 +196,69 @@ def test_field_checks_keep_valid_values():
                                "eos_token_id": [2, 3], "bos_token_id": 0, "rope_theta": 500000})
     assert (cfg.n_kv_heads, cfg.head_dim, cfg.eos_token_id, cfg.bos_token_id) == (2, 4, (2, 3), 0)
     assert cfg.norm_eps == 1.0 and type(cfg.norm_eps) is float and cfg.rope_theta == 5e5
+
+
+# ---------------------------------------------------------------- non-finite weights, fields out of range
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weight_names_the_tensor(folder, name, bad):
+    def poison(t):
+        t[name] = t[name].copy()
+        t[name].flat[3] = bad
+    _rewrite(folder, poison)
+    with pytest.raises(CheckpointError) as e:
+        car_jax.load_model(folder)
+    msg = str(e.value)
+    assert msg.startswith(f"{folder}: tensor {name!r} holds NaN or inf") and "\n" not in msg, msg
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+def test_weight_that_overflows_the_storage_dtype(folder):
+    _rewrite(folder, lambda t: t["model.layers.0.self_attn.k_proj.weight"].__setitem__((0, 0), 1e5))
+    car_jax.load_model(folder)  # finite in float32
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' holds NaN or inf.*"
+                                              r"float16.*load it in float32"):
+        car_jax.load_model(folder, dtype="float16")
+
+
+def test_non_finite_params_folder_names_the_tensor(folder, tmp_path):
+    from car_jax.checkpoints.convert import save_params
+
+    model = car_jax.load_model(folder)
+    params = {**model.params, "layers": {**model.params["layers"], "input_norm":
+                                         model.params["layers"]["input_norm"].at[1, 0].set(np.nan)}}
+    save_params(params, model.config, tmp_path / "params")
+    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / 'params'}: tensor "
+                                                        f"'model.layers.1.input_layernorm.weight' holds NaN")):
+        car_jax.load_model(tmp_path / "params")
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"rope_theta": -10000}, "field rope_theta=-10000 (int): expected a positive number"),
+    ({"rope_theta": float("inf")}, "field rope_theta=inf: expected a positive finite number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+     "field rope_theta=inf: expected a positive finite number"),
+    ({"rms_norm_eps": float("inf")}, "field rms_norm_eps=inf: expected a positive finite number"),
+    ({"rms_norm_eps": 1e300}, "field rms_norm_eps=1e+300: expected a positive finite number"),
+    ({"rms_norm_eps": float("nan")}, "field rms_norm_eps=nan (float): expected a positive number"),
+    ({"hidden_size": 9}, "field hidden_size=9 is not a multiple of num_attention_heads=2"),
+    ({"hidden_size": 1}, "field hidden_size=1 is not a multiple of num_attention_heads=2"),
+    ({"head_dim": 3}, "field head_dim=3: expected an even number"),
+    ({"vocab_size": 2**40}, "field vocab_size=1099511627776: expected a positive integer below 2^31"),
+    ({"max_position_embeddings": 2**31}, "field max_position_embeddings=2147483648: expected a positive integer"),
+])
+def test_config_field_out_of_range_names_file_and_field(tmp_path, edit, message):
+    folder = _hf_folder(tmp_path / "m", {**BASE, **edit})  # json writes inf as Infinity, nan as NaN
+    with pytest.raises(CheckpointError) as e:
+        car_jax.load_model(folder)
+    assert str(e.value).startswith(f"{folder / 'config.json'}: {message}"), str(e.value)
+
+
+def test_config_made_in_code_checks_its_ranges():
+    import dataclasses
+
+    cfg = ModelConfig.from_hf(BASE)
+    for field, value, key in [("rope_theta", -1e4, "rope_theta"), ("norm_eps", 0.0, "rms_norm_eps"),
+                              ("n_layers", 0, "num_hidden_layers"), ("mlp_dim", 2**31, "intermediate_size")]:
+        with pytest.raises(ValueError, match=f"field {key}="):
+            dataclasses.replace(cfg, **{field: value})

@@ -110,3 +110,90 @@ def test_run_closing_note_reads_its_own_numbers(tmp_path):
     assert "stated confidence is 0.50 and of its expected confidence at the tag 0.75" in note
     note = closing_note({"accuracy": 1.0, "auroc": float("nan")}, tmp_path, 2, 8)
     assert "stated confidence is undefined (one class)" in note and "tag undefined (one class)" in note
+
+
+# ---------------------------------------------------------------- errors a new user meets
+def one_line(capsys, command: str, message: str) -> str:
+    """The one stderr line of a failed command, checked to start with `message`."""
+    out = capsys.readouterr()
+    assert out.err.startswith(f"car-jax {command}: error: {message}") and out.err.count("\n") == 1, out.err
+    assert "Traceback" not in out.err + out.out
+    return out.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "data.train_split=dve"], "data.train_split: world has splits 'train' and 'dev', not 'dve'"),
+    (["train", "data.train=chance", "data.train_split=dve"], "data.train_split: chance has splits 'train', 'dev' and "
+                                                            "'extremes', not 'dve'"),
+    (["train", "data.train=/no/such.jsonl"], "data.train: dataset '/no/such.jsonl' not found"),
+    (["train", "sft.steps=1", "sft.data=/no/demos.jsonl"], "sft.data: '/no/demos.jsonl' is not a file"),
+    (["eval", "data.split=dve"], "data.split: world has splits 'train' and 'dev', not 'dve'"),
+    (["eval", "data.path=world-large", "data.split=tset"], "data.split: world-large has splits 'train', 'dev', "),
+    (["eval", "data.path=/no/such.jsonl"], "data.path: dataset '/no/such.jsonl' not found"),
+])
+def test_bad_data_is_one_line_before_the_model_loads(argv, message, tmp_path, capsys, no_model):
+    out = "run.dir" if argv[0] == "train" else "output.dir"
+    assert main([*argv, f"{out}={tmp_path / 'out'}"]) == 2
+    one_line(capsys, argv[0], message)
+
+
+def test_train_check_loads_and_checks_the_config_only(capsys, no_model):
+    argv = ["train", "--check", "--config", "configs/tiny_test.yaml", "rl.steps=3", "data.train=/only/on/the/vm.jsonl"]
+    assert main(argv) == 0  # the data file is the run machine's business: not checked here
+    out = capsys.readouterr()
+    assert out.err == "" and out.out.count("\n") == 1
+    assert out.out.startswith("car-jax train: config ok (configs/tiny_test.yaml, 2 override(s))"), out.out
+    assert "3 GRPO steps -> runs/tiny_test" in out.out
+    assert main(["train", "--check", "rl.kl_cof=0.1"]) == 2
+    one_line(capsys, "train", "unknown key 'rl.kl_cof'")
+    assert main(["train", "--check", "data.train_split=dve"]) == 2
+    one_line(capsys, "train", "data.train_split: world has splits")
+
+
+def test_convert_of_a_missing_source_is_one_line(tmp_path, capsys):
+    assert main(["convert", "--src", str(tmp_path / "nope.gguf"), "--dst", str(tmp_path / "out")]) == 2
+    one_line(capsys, "convert", f"--src: {tmp_path / 'nope.gguf'} does not exist; give a .gguf file")
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_folder_with_samples_names_output_resume(tmp_path, capsys, no_model):
+    from car_jax.data import load_dataset
+    from car_jax.eval.runner import evaluate
+
+    (tmp_path / "samples.jsonl").write_text('{"id": "x"}\n')
+    assert main(["eval", f"output.dir={tmp_path}"]) == 2
+    err = one_line(capsys, "eval", f"output.dir: {tmp_path / 'samples.jsonl'} already holds samples; "
+                                   "pass output.resume=true")
+    assert "--resume" not in err
+    with pytest.raises(FileExistsError) as e:  # the library's own check says the key too
+        evaluate(None, None, load_dataset("world", limit=1), mode="direct", out_dir=tmp_path)
+    assert "output.resume=true" in str(e.value) and "--resume" not in str(e.value)
+
+
+@pytest.fixture()
+def no_loading(monkeypatch):
+    """Loading a model or a tokenizer fails the test loudly."""
+    import car_jax
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded before the path was checked")
+
+    monkeypatch.setattr(car_jax, "load_model", refuse)
+    monkeypatch.setattr(car_jax, "load_tokenizer", refuse)
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("files, missing", [
+    ({}, "no config.json and no weights (model.safetensors, model.safetensors.index.json, car_jax_params.json)"),
+    ({"config.json": "{}", "tokenizer.json": "{}"}, "no weights (model.safetensors, model.safetensors.index.json, "
+                                                    "car_jax_params.json)"),
+])
+def test_a_folder_without_a_model_says_so(command, files, missing, tmp_path, capsys, no_loading):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    out = "run.dir" if command == "train" else "output.dir"
+    assert main([command, f"model.path={folder}", f"{out}={tmp_path / 'out'}"]) == 2
+    err = one_line(capsys, command, f"model.path: {folder} holds no model: {missing}; give an HF folder")
+    assert "tokenizer" not in err

@@ -35,9 +35,7 @@ def test_convert_gguf_to_hf(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
 
 
-def test_convert_rejects_unknown_source(tmp_path):
-    import pytest
-
-    from car_jax.checkpoints.safetensors_io import CheckpointError
-    with pytest.raises(CheckpointError, match="not a .gguf file"):
-        main(["convert", "--src", str(tmp_path), "--dst", str(tmp_path / "x")])
+def test_convert_rejects_unknown_source(tmp_path, capsys):
+    assert main(["convert", "--src", str(tmp_path), "--dst", str(tmp_path / "x")]) == 2  # one line, exit 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"car-jax convert: error: --src: {tmp_path}: not a .gguf file") and err.count("\n") == 1

@@ -227,8 +227,9 @@ def test_tiny_model_search_then_cli_resume(tiny, smollm2_short, tmp_path, monkey
         assert 1 <= s["n_turns"] <= 2 and s["golden_answers"] == list(e.golden_answers)
     _check_summary_matches(summary, samples)
     assert (out / "reliability.png").is_file()
-    with pytest.raises(SystemExit, match="no such file"):
-        cli.main(["eval", f"model.path={tmp_path / 'missing'}", f"output.dir={tmp_path / 'o2'}"])
+    assert cli.main(["eval", f"model.path={tmp_path / 'missing'}", f"output.dir={tmp_path / 'o2'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("car-jax eval: error: model.path=") and "no such file" in err and err.count("\n") == 1
 
 
 def test_smollm2_direct(smollm2_short, tmp_path):

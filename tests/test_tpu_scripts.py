@@ -1,8 +1,9 @@
 """tpu_scripts/: each script parses, is strict and shellcheck-clean; `--help` shows its usage and
 every setting it reads; `--dry-run` prints the gcloud commands it would run (read back here by
 bash, so the quoting is checked too) with the settings taken from the environment, and runs
-nothing (a `gcloud` on PATH that records any call); launch.sh hands the config and the overrides,
-spaces and quotes included, to every worker."""
+nothing (a `gcloud` on PATH that records any call); an unknown flag stops every script before it
+runs anything; launch.sh checks the config and the overrides locally (`car-jax train --check`)
+before it reaches gcloud, and hands them, spaces and quotes included, to every worker."""
 import json
 import os
 import re
@@ -19,7 +20,7 @@ SCRIPT_DIR = ROOT / "tpu_scripts"
 SCRIPTS = sorted(SCRIPT_DIR.glob("*.sh"))
 RUNNABLE = [p for p in SCRIPTS if p.name != "config.sh"]  # config.sh is sourced, not run
 SETTINGS = ("PROJECT", "ZONE", "TPU_NAME", "ACCELERATOR_TYPE", "RUNTIME_VERSION", "REPO_URL",
-            "REMOTE_DIR", "RETRIEVER_PORT", "SEARCH_DATA", "WAIT_S", "DRY_RUN")
+            "REMOTE_DIR", "RETRIEVER_PORT", "SEARCH_DATA", "WAIT_S", "DRY_RUN", "LOCAL_PYTHON")
 SEARCH_CONFIG = "configs/qwen2.5-3b_car_mscr.yaml"  # its retriever is a server on 127.0.0.1
 GCLOUD = ["gcloud", "compute", "tpus", "tpu-vm"]
 
@@ -38,13 +39,15 @@ def shell_words(line: str) -> list[str]:
 
 @pytest.fixture()
 def env(tmp_path):
-    """An environment without the scripts' settings, whose `gcloud` records each call."""
+    """An environment without the scripts' settings, whose `gcloud` records each call (and whose
+    Python, for launch.sh's local check, is the one running the tests)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "gcloud").write_text(RECORDING_GCLOUD)
     (bin_dir / "gcloud").chmod(0o755)
     base = {k: v for k, v in os.environ.items() if k not in SETTINGS}
-    return base | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "GCLOUD_CALLS": str(tmp_path / "calls")}
+    return base | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "GCLOUD_CALLS": str(tmp_path / "calls"),
+                   "LOCAL_PYTHON": sys.executable}
 
 
 def dry_run(name: str, *args: str, env: dict, flag: bool = True, **settings: str) -> list[list[str]]:
@@ -254,3 +257,49 @@ def test_launch_without_a_config_prints_usage(env):
     out = subprocess.run(["bash", str(SCRIPT_DIR / "launch.sh")], env=env, capture_output=True, text=True)
     assert out.returncode == 2 and "launch.sh [--dry-run] CONFIG" in out.stderr
     assert not Path(env["GCLOUD_CALLS"]).exists()
+
+
+# ---------------------------------------------------------------- unknown flags, the local check
+def refused(argv: list[str], env: dict) -> str:
+    """Runs ARGV (no dry run: a real run would call gcloud); checks that it exits 2 with one line
+    on stderr, printed nothing and called nothing. Returns the line."""
+    out = subprocess.run(["bash", *argv], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out
+    assert not Path(env["GCLOUD_CALLS"]).exists(), "gcloud ran"
+    return out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--dryrun", "--dry_run", "-n", "--spot=1"])
+@pytest.mark.parametrize("path", RUNNABLE, ids=lambda p: p.name)
+def test_unknown_flag_runs_nothing(path, flag, env):
+    args = ["configs/tiny_test.yaml"] if path.name == "launch.sh" else []
+    for argv in ([flag, *args], [*args, flag]):  # before or after the arguments
+        line = refused([str(path), *argv], env)
+        assert line.startswith(f"{path.name}: unknown flag '{flag}'; known: --help, --dry-run"), line
+
+
+def test_known_gcloud_flags_and_the_words_after_double_dash_are_passed_on(env):
+    create, _ = dry_run("create.sh", "--spot", "--", "--network=n1", "--labels=a=b", env=env)
+    assert create[-3:] == ["--spot", "--network=n1", "--labels=a=b"]
+    (delete,) = dry_run("teardown.sh", "--quiet", "--", "--async", env=env)
+    assert delete[-2:] == ["--quiet", "--async"]
+    assert refused([str(SCRIPT_DIR / "setup.sh"), "--", "--x"], env).startswith("setup.sh: unknown flag '--'")
+    assert "unexpected argument 'extra'" in refused([str(SCRIPT_DIR / "create.sh"), "extra"], env)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["configs/tiny_test.yaml", "rl.kl_cof=0.1"], "unknown key 'rl.kl_cof'"),
+    (["configs/tiny_test.yaml", "data.train_split=dve"], "data.train_split: world has splits 'train' and 'dev'"),
+    (["configs/no_such.yaml"], "--config: config file 'configs/no_such.yaml' does not exist"),
+])
+def test_launch_checks_the_config_before_reaching_gcloud(args, message, env):
+    for dry in ([], ["--dry-run"]):
+        line = refused([str(SCRIPT_DIR / "launch.sh"), *dry, *args], env)
+        assert line.startswith(f"car-jax train: error: {message}"), line
+
+
+def test_launch_no_check_skips_the_local_check(env):
+    (ssh,) = dry_run("launch.sh", "--no-check", "configs/tiny_test.yaml", "rl.kl_cof=0.1", env=env)
+    assert "rl.kl_cof=0.1" in flags(ssh)["command"]
+    line = refused([str(SCRIPT_DIR / "launch.sh"), "configs/tiny_test.yaml"], env | {"LOCAL_PYTHON": "/no/python"})
+    assert line.startswith("launch.sh: no Python to check the config with (/no/python)") and "--no-check" in line

@@ -11,20 +11,46 @@ REPO_URL="${REPO_URL:-}"                        # git URL to clone on the worker
 REMOTE_DIR="${REMOTE_DIR:-car_jax}"             # checkout folder in each worker's home
 RETRIEVER_PORT="${RETRIEVER_PORT:-8000}"        # Search-R1 /retrieve server on worker 0
 DRY_RUN="${DRY_RUN:-0}"                         # 1 (or --dry-run): print the commands, run none
+FLAGS=""                                        # a script's own flags, for parse_args
 
 # The script's header comment (its usage and settings), without the '#'s and directives.
 usage() {
   awk 'NR == 1 || /^# shellcheck / { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
 }
 
-# Handles one leading option shared by every script; returns 1 for anything else:
-#   while [[ $# -gt 0 ]] && common_option "$1"; do shift; done
-common_option() {
-  case "$1" in
-    -h|--help) usage; exit 0 ;;
-    --dry-run) DRY_RUN=1 ;;
-    *) return 1 ;;
-  esac
+# Reads a script's arguments before it runs anything: --help and --dry-run (every script's),
+# the flags the script lists in FLAGS (collected in OPTS, in order; "--" in FLAGS: the words
+# after a "--" go to OPTS as they are, for gcloud) and the other words (into ARGS). Any other
+# word that starts with "-" (a typo such as --dryrun) stops the script: one line naming it
+# and the known flags, exit 2.
+#   FLAGS="--spot --"; parse_args "$@"; set -- ${ARGS[@]+"${ARGS[@]}"}
+parse_args() {
+  ARGS=() OPTS=()
+  local known=" ${FLAGS:-} "
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      -h|--help) usage; exit 0 ;;
+      --dry-run) DRY_RUN=1 ;;
+      --) if [[ "$known" == *" -- "* ]]; then shift; OPTS+=("$@"); break; fi; unknown_flag "$1" ;;
+      -*) if [[ "$known" == *" $1 "* ]]; then OPTS+=("$1"); else unknown_flag "$1"; fi ;;
+      *) ARGS+=("$1") ;;
+    esac
+    shift
+  done
+}
+
+unknown_flag() {
+  local known="--help --dry-run${FLAGS:+ $FLAGS}"
+  echo "$(basename "$0"): unknown flag '$1'; known: ${known// /, } (see $(basename "$0") --help)" >&2
+  exit 2
+}
+
+# Refuses positional arguments, for a script that takes none (one line, exit 2).
+no_args() {
+  if [[ $# -gt 0 ]]; then
+    echo "$(basename "$0"): unexpected argument '$1' (see $(basename "$0") --help)" >&2
+    exit 2
+  fi
 }
 
 # One word quoted so that a shell reads it back unchanged: bare when it is plain, else in

@@ -5,6 +5,7 @@
 #   tpu_scripts/retriever.sh [--dry-run]
 #   tpu_scripts/retriever.sh --help
 # --dry-run (or DRY_RUN=1): print the gcloud commands, one a line, and run nothing.
+# Any other flag or argument (a typo such as --dryrun) stops the script before it runs anything.
 # Needs on worker 0, under SEARCH_DATA (default ~/search_r1):
 #   e5_Flat.index   Search-R1's FAISS flat index (PeterJinGo/wiki-18-e5-index, joined parts)
 #   wiki-18.jsonl   the corpus whose rows match the index (PeterJinGo/wiki-18-corpus)
@@ -17,11 +18,8 @@
 # RETRIEVER_PORT; SEARCH_DATA (a folder on worker 0), WAIT_S (seconds to wait for /health, 1800).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/config.sh"
-while [[ $# -gt 0 ]] && common_option "$1"; do shift; done
-if [[ $# -gt 0 ]]; then
-  echo "retriever.sh: unexpected argument '$1' (see tpu_scripts/retriever.sh --help)" >&2
-  exit 2
-fi
+parse_args "$@"
+no_args ${ARGS[@]+"${ARGS[@]}"}
 SEARCH_DATA="${SEARCH_DATA:-\$HOME/search_r1}"  # expanded on worker 0
 WAIT_S="${WAIT_S:-1800}"  # how long to wait for the index to load
 

@@ -8,16 +8,14 @@
 #   tpu_scripts/setup.sh --help
 # --dry-run (or DRY_RUN=1): print the commands, one a line, and run nothing (the local archive's
 # temporary folder is only named when it is made).
+# Any other flag or argument (a typo such as --dryrun) stops the script before it runs anything.
 # Settings (environment, defaults in tpu_scripts/config.sh): PROJECT, ZONE, TPU_NAME, REPO_URL,
 # REMOTE_DIR.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/config.sh"
-while [[ $# -gt 0 ]] && common_option "$1"; do shift; done
-if [[ $# -gt 0 ]]; then
-  echo "setup.sh: unexpected argument '$1' (see tpu_scripts/setup.sh --help)" >&2
-  exit 2
-fi
+parse_args "$@"
+no_args ${ARGS[@]+"${ARGS[@]}"}
 ROOT="$(cd "$HERE/.." && pwd)"
 
 # the asset pins of the Makefile, so the workers get the same files as `make venv`

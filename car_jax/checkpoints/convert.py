@@ -14,18 +14,16 @@ import jax
 import orbax.checkpoint as ocp
 
 from car_jax.checkpoints.gguf_io import GGUFFile, gguf_tokenizer
-from car_jax.checkpoints.loader import check_names, load_params, save_hf_folder
+from car_jax.checkpoints.loader import check_finite, check_names, load_params, save_hf_folder
 from car_jax.checkpoints.safetensors_io import (
     CheckpointError,
     SafetensorsFolder,
     write_safetensors,
 )
-from car_jax.checkpoints.sources import config_from_file, load_tokenizer, read_config
+from car_jax.checkpoints.sources import PARAMS_MARKER, config_from_file, load_tokenizer, read_config
 from car_jax.checkpoints.table import entries, hf_names
 from car_jax.models.config import ModelConfig, as_dtype
 from car_jax.models.decoder import Decoder
-
-PARAMS_MARKER = "car_jax_params.json"  # marks a car_jax params folder
 
 
 def gguf_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
@@ -65,9 +63,10 @@ def is_params_folder(path: str | os.PathLike) -> bool:
     return (Path(path) / PARAMS_MARKER).is_file()
 
 
-def load_params_folder(path: str | os.PathLike, shardings=None):
+def load_params_folder(path: str | os.PathLike, shardings=None, dtype=None):
     """(ModelConfig, params) from a folder written by `save_params`; `shardings` is a
-    params-shaped pytree of target shardings (default: the first local device)."""
+    params-shaped pytree of target shardings (default: the first local device); `dtype`:
+    cast to it (default: as saved). NaN or inf in a tensor is a CheckpointError naming it."""
     path = Path(path).absolute()
     cfg = config_from_file(path / "config.json")
     abstract = jax.eval_shape(lambda: Decoder(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
@@ -76,7 +75,11 @@ def load_params_folder(path: str | os.PathLike, shardings=None):
         shardings = jax.tree.map(lambda _: device, abstract["params"])
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract["params"],
                           shardings)
-    return cfg, ocp.StandardCheckpointer().restore(path / "params", target)
+    params = ocp.StandardCheckpointer().restore(path / "params", target)
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
+    check_finite(params, cfg, path)
+    return cfg, params
 
 
 def params_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:

@@ -10,6 +10,7 @@ read slices (GGUF: quantized blocks) reads each whole tensor once and slices it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -146,8 +147,10 @@ def load_params(source: TensorSource | SlicedSource, cfg: ModelConfig, *, dtype=
 
     Each process reads only the HF rectangles of the slices its own devices hold (once per
     distinct slice), so in a multi-process run every process calls this with the same
-    arguments and gets its part of each global array."""
+    arguments and gets its part of each global array. A tensor holding NaN or inf (as
+    loaded, in `dtype`) is a CheckpointError naming it (`check_finite`)."""
     check_names(source, cfg)
+    where = getattr(source, "folder", None) or getattr(source, "path", None) or "checkpoint"
     source = sliced(source)
     np_dtype = np.dtype(dtype)
     flat: dict[str, jax.Array] = {}
@@ -165,7 +168,35 @@ def load_params(source: TensorSource | SlicedSource, cfg: ModelConfig, *, dtype=
         flat[entry.path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
         del buffers, arrays
     bar.close()
-    return shd.unflatten_params(flat)
+    params = shd.unflatten_params(flat)
+    check_finite(params, cfg, where)
+    return params
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _finite_flags(stacked: tuple[bool, ...], arrays: list[jax.Array]) -> jax.Array:
+    """bool[M]: for each array in turn, one flag per layer (when stacked) or one for the
+    whole array: are all its values finite. One pass over the params, on the device."""
+    return jnp.concatenate([jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1) if s else jnp.isfinite(x).all()[None]
+                            for s, x in zip(stacked, arrays)])
+
+
+def check_finite(params: dict[str, Any], cfg: ModelConfig, where: str | os.PathLike) -> None:
+    """Raises CheckpointError naming the first HF tensor (in table order) that holds a NaN
+    or an inf in `params` as loaded (a damaged file, or values that overflow the storage
+    dtype). One jitted reduction and a transfer of a flag per tensor; in a multi-process
+    run every process calls it (the flags are gathered)."""
+    flat = shd.flatten_params(params)
+    rows = entries(cfg)
+    ok = hosts.gather_full(_finite_flags(tuple(e.stacked for e in rows), [flat[e.path] for e in rows]))
+    if ok.all():
+        return
+    names = [n for e in rows for n in hf_names(e, cfg)]
+    bad = names[int(np.argmin(ok))]
+    dtype = flat[rows[0].path].dtype
+    raise CheckpointError(f"{where}: tensor {bad!r} holds NaN or inf values as loaded ({dtype}); the checkpoint is "
+                          f"damaged or its weights overflow {dtype}: re-download or re-export it, or load it in "
+                          f"float32")
 
 
 def hf_tensors(params: dict[str, Any], cfg: ModelConfig, dtype=None) -> Iterator[tuple[str, np.ndarray]]:

@@ -12,12 +12,35 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from car_jax.checkpoints.gguf_io import GGUFFile, gguf_tokenizer
-from car_jax.checkpoints.safetensors_io import CheckpointError, read_json
+from car_jax.checkpoints.safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, read_json
 from car_jax.models.config import ConfigFieldError, ModelConfig, UnsupportedConfigError
+
+
+PARAMS_MARKER = "car_jax_params.json"  # marks a car_jax params folder (`checkpoints.convert`)
+KINDS = "an HF folder (config.json + safetensors), a .gguf file or a car_jax params folder"
 
 
 def is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf" and path.is_file()
+
+
+def check_model_path(path: str | os.PathLike) -> None:
+    """Raises CheckpointError, naming what is missing, unless `path` holds a model: a .gguf
+    file, or a folder with a config.json and weights (safetensors or a car_jax params
+    folder). Reads no weights: a check to make before a tokenizer or a model loads."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; give {KINDS}")
+    if is_gguf(path):
+        return
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file but not a .gguf file; give {KINDS}")
+    weights = (SINGLE_NAME, INDEX_NAME, PARAMS_MARKER)
+    missing = [what for what, ok in (("config.json", (path / "config.json").is_file()),
+                                     (f"weights ({', '.join(weights)})", any((path / w).is_file() for w in weights)))
+               if not ok]
+    if missing:
+        raise CheckpointError(f"{path} holds no model: no {' and no '.join(missing)}; give {KINDS}")
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -29,13 +52,12 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     """
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{path} does not exist; give an HF folder (config.json + safetensors), "
-                              f"a .gguf file or a car_jax params folder")
+        raise CheckpointError(f"{path} does not exist; give {KINDS}")
     if is_gguf(path):
         return GGUFFile(path).config
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise CheckpointError(f"{path}: not a .gguf file and no config.json in it")
+        raise CheckpointError(f"{path} holds no model: not a .gguf file and no config.json in it; give {KINDS}")
     return config_from_file(cfg_file)
 
 

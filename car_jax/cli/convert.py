@@ -12,7 +12,13 @@ def register(sub) -> None:
 
 def _run(args) -> int:
     from car_jax.checkpoints.convert import convert
+    from car_jax.checkpoints.safetensors_io import CheckpointError
+    from car_jax.config import ConfigError
+    from car_jax.models.config import UnsupportedConfigError
 
-    direction, out = convert(args.src, args.dst, args.dtype)
+    try:
+        direction, out = convert(args.src, args.dst, args.dtype)
+    except (CheckpointError, UnsupportedConfigError) as err:  # a missing or damaged source: one line, exit 2
+        raise ConfigError(f"--src: {err}") from None
     print(f"{direction}: wrote {out}")
     return 0

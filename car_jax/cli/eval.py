@@ -33,6 +33,7 @@ def register(sub) -> None:
 
 def eval_command(args) -> int:
     from car_jax import hosts
+    from car_jax.config import ConfigError
     from car_jax.eval.config import EvalConfig
     from car_jax.eval.job import EvalSetupError, output_dir, run_eval
     from car_jax.eval.runner import format_table
@@ -43,7 +44,7 @@ def eval_command(args) -> int:
     try:
         summary = run_eval(cfg)
     except EvalSetupError as err:
-        raise SystemExit(f"car-jax eval: {err}") from None
+        raise ConfigError(str(err)) from None  # one line, exit 2
     if not hosts.is_writer():  # several processes: process 0 reports (and wrote the files)
         return 0
     print(format_table(summary))
@@ -70,7 +71,7 @@ def _gate(cfg, tau: float) -> int:
     try:
         result = run_gate(cfg, tau)
     except EvalSetupError as err:
-        raise SystemExit(f"car-jax eval: {err}") from None
+        raise ConfigError(str(err)) from None  # one line, exit 2
     if not hosts.is_writer():
         return 0
     s = result["summary"]

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from car_jax.data import chance, tfds_source
+from car_jax.data import chance, tfds_source, world_large
 from car_jax.data.layouts import DatasetError, QAExample, rows_to_examples
+from car_jax.data.world import FILES as WORLD_FILES
 from car_jax.data.world import WORLDS, world_paths
 
-__all__ = ["DatasetError", "QAExample", "load_dataset", "read_csv", "read_jsonl", "read_parquet"]
+__all__ = ["DatasetError", "QAExample", "check_split", "load_dataset", "read_csv", "read_jsonl", "read_parquet"]
 
 EXTENSIONS = (".parquet", ".jsonl", ".json", ".csv")
 
@@ -93,16 +94,25 @@ def read_csv(path: str | Path) -> list[QAExample]:
 READERS = {".parquet": read_parquet, ".jsonl": read_jsonl, ".json": read_jsonl, ".csv": read_csv}
 
 
+def check_split(path_or_name: str | Path, split: str | None) -> None:
+    """Raises DatasetError when a built-in dataset ("world", "world-large", "chance") has no
+    split `split` (None: its default). Reads no file, so a config can check it when it is
+    built; any other source is checked when it is read."""
+    name = str(path_or_name)
+    files = {"world": WORLD_FILES, world_large.NAME: world_large.FILES, chance.NAME: chance.SPLITS}.get(name)
+    if files is None:
+        return
+    splits = [k for k in files if k != "corpus"]
+    if (split or ("train" if name == chance.NAME else "dev")) not in splits:
+        have = [repr(k) for k in splits]
+        raise DatasetError(f"{name} has splits {', '.join(have[:-1])} and {have[-1]}, not {split!r}")
+
+
 def _resolve(path_or_name: str | Path, split: str | None) -> Path:
     """A name ("world", "world-large"), a file, or a folder + split -> the file to read."""
     if str(path_or_name) in WORLDS:
-        split = split or "dev"
-        paths = world_paths(str(path_or_name))
-        if split not in paths or split == "corpus":
-            names = [repr(k) for k in paths if k != "corpus"]
-            have = ", ".join(names[:-1]) + " and " + names[-1]
-            raise DatasetError(f"{path_or_name} has splits {have}, not {split!r}")
-        return paths[split]
+        check_split(path_or_name, split)
+        return world_paths(str(path_or_name))[split or "dev"]
     path = Path(path_or_name)
     if path.is_dir():
         if split is None:

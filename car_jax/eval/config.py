@@ -24,7 +24,7 @@ from car_jax.eval.runner import EVAL_EPISODE, SAMPLE_TOP_P
 from car_jax.models.config import DTYPES
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
-from car_jax.train.config import MeshConfig
+from car_jax.train.config import MeshConfig, split_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,7 @@ class EvalDataConfig:
     def __post_init__(self):
         require(bool(self.path), "path", self.path, "'world', a data file or a folder")
         require(self.limit is None or self.limit >= 1, "limit", self.limit, ">= 1, or null for every example")
+        split_of(self.path, self.split, "split")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,9 +10,12 @@ from pathlib import Path
 import car_jax
 from car_jax import hosts
 from car_jax.checkpoints.embedded import model_dir
-from car_jax.data import load_dataset
+from car_jax.checkpoints.safetensors_io import CheckpointError
+from car_jax.checkpoints.sources import check_model_path
+from car_jax.data import DatasetError, load_dataset
 from car_jax.eval.config import EvalConfig, EvalDataConfig, EvalModelConfig
-from car_jax.eval.runner import evaluate, get_mode
+from car_jax.eval.runner import SAMPLES_FILE, evaluate, get_mode
+from car_jax.models.config import UnsupportedConfigError
 from car_jax.rollout.toolbox import open_tools
 
 
@@ -27,13 +30,20 @@ def load_eval_model(cfg: EvalModelConfig, mesh=None):
     model_path = model_dir(cfg.path)
     if not model_path.exists():
         raise EvalSetupError(f"model.path={str(model_path)!r}: no such file or folder")
+    try:
+        check_model_path(model_path)  # a folder without a model is said so, not blamed on its tokenizer
+    except CheckpointError as err:
+        raise EvalSetupError(f"model.path: {err}") from None
     tok_path = Path(cfg.tokenizer) if cfg.tokenizer else model_path
     try:
         tokenizer = car_jax.load_tokenizer(tok_path)
     except (OSError, ValueError) as err:
         raise EvalSetupError(f"cannot load a tokenizer from {tok_path} ({err}); set model.tokenizer "
                              "(an HF folder or .gguf holding one)") from None
-    model = car_jax.load_model(model_path, dtype=cfg.dtype, mesh=mesh, mode="sample", progress=hosts.is_writer())
+    try:
+        model = car_jax.load_model(model_path, dtype=cfg.dtype, mesh=mesh, mode="sample", progress=hosts.is_writer())
+    except (CheckpointError, UnsupportedConfigError) as err:
+        raise EvalSetupError(f"model.path: {err}") from None
     return model, tokenizer, model_path
 
 
@@ -63,13 +73,22 @@ def _quiet(_line: str) -> None:
 def run_eval(cfg: EvalConfig, *, label: str | None = None, progress: bool = True, log=print) -> dict:
     """Evaluates per `cfg`; returns the summary (also in <output dir>/summary.json).
     `label` names the model in the summary (default: its path). A bad `mesh` fails first
-    (ConfigError), before any data or model loads."""
+    (ConfigError), before any data or model loads; a missing data file, an output folder that
+    already holds samples (without output.resume) and a path that holds no model are an
+    EvalSetupError before the model loads."""
     mesh = cfg.mesh.build()
     log = log if hosts.is_writer() else _quiet
-    examples = load_dataset(cfg.data.path, split=cfg.data.split, limit=cfg.data.limit)
+    try:
+        examples = load_dataset(cfg.data.path, split=cfg.data.split, limit=cfg.data.limit)
+    except (FileNotFoundError, DatasetError) as err:
+        raise EvalSetupError(f"data.path: {err}") from None
     name, split = data_label(cfg.data)
     data = name + (f":{split}" if split else "")
     out = output_dir(cfg)
+    samples = out / SAMPLES_FILE
+    if not cfg.output.resume and samples.is_file() and samples.stat().st_size:
+        raise EvalSetupError(f"output.dir: {samples} already holds samples; pass output.resume=true to continue "
+                             f"that run, or choose another output.dir")
     model, tokenizer, model_path = load_eval_model(cfg.model, mesh)
     with open_tools(get_mode(cfg.mode).tool, cfg.tools) as box:
         log(f"eval: {len(examples)} examples of {data}, mode {cfg.mode}, model {model_path}, tool {box.label}, "

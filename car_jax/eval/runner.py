@@ -475,8 +475,8 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
     path = out / SAMPLES_FILE
     done_rows = _done_records(path, resume)
     if not resume and path.is_file() and path.stat().st_size:
-        raise FileExistsError(f"{path} already holds samples; pass resume=True (--resume) to continue "
-                              "that run, or choose another out_dir")
+        raise FileExistsError(f"{path} already holds samples; pass resume=True (car-jax eval: "
+                              "output.resume=true) to continue that run, or choose another out_dir")
     other = {r.get("mode") for r in done_rows} - {mode}
     if other:
         raise ValueError(f"{path} holds samples of mode {sorted(other)}, not {mode!r}; use another out_dir")

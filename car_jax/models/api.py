@@ -65,7 +65,9 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype).
     With `mesh`, each tensor goes straight into its NamedSharding from the table in
     `car_jax.sharding` (`mode` "train" or "sample"). policy: how the model runs
-    (`models.policy`; default: the one for the backend jax runs on)."""
+    (`models.policy`; default: the one for the backend jax runs on). A damaged source
+    (a tensor missing, misshapen, or holding NaN or inf as loaded) or a config field out of
+    range is a CheckpointError naming the file and the tensor or field."""
     path = Path(path)
     compute = as_dtype(dtype)
     storage = as_dtype(param_dtype or dtype)
@@ -73,8 +75,7 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
         cfg = read_config(path)
         abstract = jax.eval_shape(lambda: Decoder(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
         shardings = None if mesh is None else shd.params_shardings(abstract["params"], mesh, mode)
-        cfg, params = load_params_folder(path, shardings)
-        params = jax.tree.map(lambda x: x.astype(storage), params)
+        cfg, params = load_params_folder(path, shardings, dtype=storage)
     else:
         if is_gguf(path):
             source = GGUFFile(path)

@@ -46,6 +46,20 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        """The ranges of the fields, however the config was made (`from_hf` checks the kinds
+        first): ConfigFieldError naming the HF field."""
+        for name, key in _SIZES.items():
+            value = getattr(self, name)
+            if not (_is_int(value) and 1 <= value <= _INT32_MAX):
+                raise ConfigFieldError(f"field {key}={value!r}: expected a positive integer below 2^31")
+        for name, key in _SCALES.items():
+            value = getattr(self, name)
+            if not (isinstance(value, numbers.Real) and 0 < value <= _FLOAT32_MAX):
+                raise ConfigFieldError(f"field {key}={value!r}: expected a positive finite number "
+                                       f"(at most {_FLOAT32_MAX:.4g}, float32's range)")
+        if self.head_dim % 2:
+            raise ConfigFieldError(f"field head_dim={self.head_dim}: expected an even number "
+                                   f"(RoPE rotates pairs of dimensions)")
         if self.n_heads % self.n_kv_heads:
             raise UnsupportedConfigError(
                 f"num_attention_heads={self.n_heads} is not a multiple of "
@@ -88,6 +102,9 @@ class ModelConfig:
 
         n_heads = _field(hf, "num_attention_heads", _POSITIVE_INT)
         d_model = _field(hf, "hidden_size", _POSITIVE_INT)
+        if hf.get("head_dim") is None and d_model % n_heads:
+            raise ConfigFieldError(f"field hidden_size={d_model} is not a multiple of num_attention_heads={n_heads} "
+                                   f"and there is no head_dim to say the heads' width")
         head_dim = _field(hf, "head_dim", _POSITIVE_INT, d_model // n_heads)
         return cls(
             model_type=model_type,
@@ -163,6 +180,14 @@ def _rope_theta(hf: dict[str, Any]) -> float:
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
+
+# ModelConfig field -> its config.json name, for the range checks of __post_init__
+_SIZES = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+          "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+          "mlp_dim": "intermediate_size", "max_position": "max_position_embeddings"}
+_SCALES = {"rope_theta": "rope_theta", "norm_eps": "rms_norm_eps"}
+_INT32_MAX = 2**31 - 1  # sizes become device shapes and int32 indices
+_FLOAT32_MAX = 3.4028234663852886e38  # theta and eps are used in float32; nan fails the comparison
 
 _POSITIVE_INT = (lambda v: _is_int(v) and v > 0, "a positive integer", int)
 _TOKEN_ID = (lambda v: _is_int(v) and v >= 0, "a token id (an integer >= 0) or null", int)

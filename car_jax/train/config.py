@@ -18,6 +18,8 @@ import jax
 from car_jax import hosts
 from car_jax.calibration.rewards import RewardConfig
 from car_jax.config import ConfigError, require
+from car_jax.data.examples import check_split
+from car_jax.data.layouts import DatasetError
 from car_jax.data.prompts import TEMPLATES
 from car_jax.models.config import DTYPES
 from car_jax.rl.grpo import LossConfig
@@ -83,6 +85,16 @@ class MeshConfig:
         return mesh
 
 
+def split_of(source: str, split: str | None, key: str) -> None:
+    """A built-in dataset's split is checked with the config (`data.check_split`, no file
+    read): ValueError at `key`, `data.train_split: world has splits 'train' and 'dev', not 'dve'`.
+    Files and folders are checked when the run starts, before the model loads."""
+    try:
+        check_split(source, split)
+    except DatasetError as err:
+        raise ValueError(f"{key}={err}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     train: str = "world"  # a dataset path or built-in name (car_jax.data.load_dataset)
@@ -95,6 +107,7 @@ class DataConfig:
         require(bool(self.train), "train", self.train, "a dataset path or built-in name (e.g. world)")
         require(self.template in TEMPLATES, "template", self.template, f"one of {', '.join(TEMPLATES)}")
         require(self.limit is None or self.limit >= 1, "limit", self.limit, ">= 1, or null for every example")
+        split_of(self.train, self.train_split, "train_split")
         require(self.shuffle_seed >= 0, "shuffle_seed", self.shuffle_seed, ">= 0")
 
 

@@ -13,7 +13,11 @@ from jax.sharding import Mesh
 import car_jax
 from car_jax.calibration.rewards import reward_fn
 from car_jax.checkpoints.embedded import model_dir
+from car_jax.checkpoints.safetensors_io import CheckpointError
+from car_jax.checkpoints.sources import check_model_path
+from car_jax.config import ConfigError
 from car_jax.models.api import Model
+from car_jax.models.config import UnsupportedConfigError
 from car_jax.rl.batches import make_scorer
 from car_jax.rl.steps import (
     TrainState,
@@ -50,10 +54,23 @@ def build_mesh(cfg: MeshConfig) -> Mesh | None:
 
 def load_policy(cfg: PolicyConfig, mesh: Mesh | None):
     """(model, tokenizer) from the configured path ("" = the embedded SmolLM2,
-    `embedded.TINY_RANDOM` the tiny random model)."""
+    `embedded.TINY_RANDOM` the tiny random model). A path that holds no model (checked before
+    anything loads), no tokenizer or a damaged checkpoint is a ConfigError naming model.path."""
     path = str(model_dir(cfg.path))
-    model = car_jax.load_model(path, dtype=cfg.dtype, param_dtype=cfg.param_dtype, mesh=mesh, remat=cfg.remat)
-    return model, car_jax.load_tokenizer(path)
+    try:
+        check_model_path(path)
+    except CheckpointError as err:
+        raise ConfigError(f"model.path: {err}") from None
+    try:
+        tokenizer = car_jax.load_tokenizer(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.path: cannot load a tokenizer from {path} ({err}); the policy's folder must "
+                          f"hold its tokenizer too") from None
+    try:
+        model = car_jax.load_model(path, dtype=cfg.dtype, param_dtype=cfg.param_dtype, mesh=mesh, remat=cfg.remat)
+    except (CheckpointError, UnsupportedConfigError) as err:
+        raise ConfigError(f"model.path: {err}") from None
+    return model, tokenizer
 
 
 def build_setup(cfg: TrainConfig) -> Setup:

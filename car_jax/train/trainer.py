@@ -28,8 +28,8 @@ from car_jax.calibration import metrics as cal
 from car_jax.calibration.rewards import reward_inputs
 from car_jax.checkpoints.loader import save_hf_folder
 from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
-from car_jax.config import save_config
-from car_jax.data import chance, load_dataset, make_prompt, world_retriever
+from car_jax.config import ConfigError, save_config
+from car_jax.data import DatasetError, chance, load_dataset, make_prompt, world_retriever
 from car_jax.models.api import Model
 from car_jax.models.policy import device_kind
 from car_jax.rl.batches import TrainBatch, chunked_logprobs, micro_batches, share_prompts, to_device
@@ -55,10 +55,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.examples = training_examples(cfg)  # before the model loads: a bad data path fails in seconds
         self.s: Setup = build_setup(cfg)
-        self.examples = load_dataset(cfg.data.train, cfg.data.train_split, cfg.data.limit)
-        if not self.examples:
-            raise ValueError(f"data.train={cfg.data.train!r} (split {cfg.data.train_split}) has no examples")
         self.dir = Path(cfg.run.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         if hosts.is_writer():
@@ -334,9 +332,25 @@ class Trainer:
         return rows
 
 
+def training_examples(cfg: TrainConfig) -> list:
+    """data.train's examples, and a check that sft.data names a file when it is one. A
+    missing or unreadable source is a ConfigError naming its key (one line from the CLI)."""
+    try:
+        examples = load_dataset(cfg.data.train, cfg.data.train_split, cfg.data.limit)
+    except (FileNotFoundError, DatasetError) as err:
+        raise ConfigError(f"data.train: {err}") from None
+    if not examples:
+        raise ConfigError(f"data.train: {cfg.data.train!r} (split {cfg.data.train_split}) has no examples")
+    demos = cfg.sft.data
+    if cfg.sft.steps and demos not in ("world", chance.NAME) and not Path(demos).is_file():
+        raise ConfigError(f"sft.data: {demos!r} is not a file; give a JSONL of demonstrations, 'world' or "
+                          f"'{chance.NAME}' (or set sft.steps=0)")
+    return examples
+
+
 def train(cfg: TrainConfig) -> list[dict]:
     """Trains per `cfg`; returns the per-step metric rows of this process's steps."""
     return Trainer(cfg).run()
 
 
-__all__ = ["Trainer", "train"]
+__all__ = ["Trainer", "train", "training_examples"]

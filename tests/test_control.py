@@ -31,7 +31,7 @@ def test_arms_run_no_sft_and_their_schedule_spans_the_run(tmp_path):
     arm = control.arm_config(tmp_path, control.ARMS["mscr"], 3, 7, over)
     assert warm.sft.steps == 123 and warm.rl.steps == 0
     assert arm.sft.steps == 0 and arm.rl.steps == 7
-    assert arm.rl.optim.total_steps == 7 * (6 * 8 // 16) * 2  # G = 8 in the design
+    assert arm.rl.optim.total_steps == 7 * (6 * 16 // 16) * 2  # G = 16 in the design
     assert arm.model.path == str(tmp_path / "warm-s3" / "hf") and arm.reward.kind == "mscr"
     assert arm.rl.optim.schedule == "cosine"
 

@@ -99,7 +99,7 @@ def _run(args) -> int:
     if not args.no_control:  # the control's configs too (constants, but checked before anything loads)
         from car_jax.experiment import control
         control.arm_config(out / "control", control.ARMS["brier"], 0, args.control_steps or control.QUICK_STEPS,
-                           ["data.train_split=extremes"])
+                           ["data.train_split=extremes", *control.QUICK_OVERRIDES])
     folder = default_model_dir()
     model = car_jax.load_model(folder)
     tokenizer = car_jax.load_tokenizer(folder)

@@ -88,25 +88,31 @@ DEFAULT_ARMS = ("binary", "brier", "mscr", "mscr_b2_3")
 # runs that chose it are in results/control/exploration/. The warm start: 400 SFT steps of 16
 # demonstrations at lr 3e-3 (its loss plateaus at the entropy of the random confidences; after
 # 150 steps the sampled answers named the wrong kind for about half the rows of three kinds).
-# GRPO: 10 prompts x 8 trajectories a step in 4 mini-batches of 20, lr 2e-3 (5e-3 broke the
-# format within 10 steps) decayed by a cosine to 5% over the arm's run (at a constant 2e-3,
-# 2 of 5 seeds of the two-kind control broke the format and others lost the kinds they had
-# separated late in the run: results/control_extremes; the decay fixed seed 1 there:
-# exploration/extremes_s1_cosine_60steps), a small KL to the warm start (0.01: without one
-# the confidences collapsed onto one value for every kind), temperature 1 and top_p 1, so the
-# sampled confidences follow the policy's own distribution.
+# GRPO: 10 prompts x 16 trajectories a step in 4 mini-batches of 40, lr 1e-3 decayed by a
+# cosine to 5% over the arm's run. The history: at 8 trajectories and a constant 2e-3, 2 of 5
+# seeds of the two-kind control broke the format and others lost the kinds they had separated
+# (results/control_extremes); a cosine decay kept the format, but in seed 2 the sampled
+# confidences of every calibration arm collapsed onto one value per kind early (within-group
+# SD of q 0.28 -> 0.07), far from q*, and stayed there (results/control_extremes_cosine, 3
+# seeds); with twice the trajectories a step at half the lr, the same seed reached q*
+# (exploration/extremes_s2_g16_lr1e-3). 5e-3 broke the format within 10 steps. A small KL to
+# the warm start (0.01: without one the confidences collapsed onto one value for every kind);
+# temperature 1 and top_p 1, so the sampled confidences follow the policy's own distribution.
 BASE = ["model.path=builtin:tiny-random", "mesh.devices=1", "data.train=chance", "data.template=chance",
-        "rollout.group_size=8", "rollout.max_turns=0", "rollout.max_response_tokens=24",
+        "rollout.group_size=16", "rollout.max_turns=0", "rollout.max_response_tokens=24",
         "rollout.temperature=1.0", "rollout.top_p=1.0",
         "sft.data=chance", "sft.steps=400", "sft.batch=16", "sft.lr=3e-3",
-        "rl.prompts_per_step=10", "rl.mini_batch=20", "rl.loss.kl_coef=0.01", "rl.loss.entropy_coef=0.0",
-        "rl.optim.lr=2e-3", "rl.optim.schedule=cosine", "rl.optim.min_lr_ratio=0.05", "rl.optim.warmup_steps=0",
+        "rl.prompts_per_step=10", "rl.mini_batch=40", "rl.loss.kl_coef=0.01", "rl.loss.entropy_coef=0.0",
+        "rl.optim.lr=1e-3", "rl.optim.schedule=cosine", "rl.optim.min_lr_ratio=0.05", "rl.optim.warmup_steps=0",
         "rl.optim.grad_clip=1.0",
         "run.checkpoint_every=50", "run.keep=1", "run.tensorboard=false", "run.export_hf=true"]
 STEPS = 150
 # The quick version (`run_quick`: `car-jax run`'s step 5 and tests/test_control.py): the two
-# extreme kinds, Brier against binary, one seed, 60 steps.
+# extreme kinds, Brier against binary, one seed, 60 steps at half the design's trajectories
+# a step and twice its lr (half the time; in results/control_extremes_cosine that setting
+# learned seeds 0 and 1, error 0.048 and 0.097, and not seed 2).
 QUICK_ARMS, QUICK_STEPS = ("brier", "binary"), 60
+QUICK_OVERRIDES = ("rollout.group_size=8", "rl.mini_batch=20", "rl.optim.lr=2e-3")
 
 
 def warm_config(out: Path, seed: int, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -196,7 +202,8 @@ def run_control(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: S
 
 def run_quick(out: str | Path, *, steps: int = QUICK_STEPS, log: Callable[[str], None] = print) -> dict:
     """The quick version of the control (see QUICK_ARMS): run or resume it, report it."""
-    return run_control(out, arms=QUICK_ARMS, seeds=[0], steps=steps, split="extremes", log=log)
+    return run_control(out, arms=QUICK_ARMS, seeds=[0], steps=steps, split="extremes",
+                       overrides=QUICK_OVERRIDES, log=log)
 
 
 # ---------------------------------------------------------------- the report
@@ -307,5 +314,5 @@ def plot_report(rep: dict, path: str | Path, window: int = 10) -> Path:
     return Path(path)
 
 
-__all__ = ["ARMS", "Arm", "BASE", "DEFAULT_ARMS", "QUICK_ARMS", "QUICK_STEPS", "STEPS",
+__all__ = ["ARMS", "Arm", "BASE", "DEFAULT_ARMS", "QUICK_ARMS", "QUICK_OVERRIDES", "QUICK_STEPS", "STEPS",
            "TOLERANCE", "arm_config", "format_report", "measure", "report", "run_control", "run_quick", "warm_config"]

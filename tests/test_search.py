@@ -143,3 +143,18 @@ def test_dense_index_rejects_a_mismatched_encoder(indexes, tmp_path):
         DenseRetriever(Small(), load_index(indexes["dense"]), open_store(indexes["dense"] / "docs.jsonl"))
     with pytest.raises(FileNotFoundError, match="build-index"):
         load_retriever(tmp_path)
+
+
+def test_bm25_logs_nothing_below_a_warning(tmp_path, caplog):
+    """bm25s sets its own logger to DEBUG when imported; building, loading and searching a
+    BM25 index must not print its "Building index from IDs" lines on every run."""
+    import logging
+
+    from car_jax.tools.bm25 import BM25Retriever, load_bm25
+
+    caplog.set_level(logging.DEBUG)
+    build_bm25_index(CORPUS, tmp_path / "bm25", progress=False)
+    docs = list(iter_corpus(CORPUS))
+    BM25Retriever(load_bm25(tmp_path / "bm25"), docs).search(["who painted the ceiling"], 2)
+    chatter = [r for r in caplog.records if r.name.startswith("bm25s") and r.levelno < logging.WARNING]
+    assert not chatter, [r.getMessage() for r in chatter]

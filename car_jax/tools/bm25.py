@@ -6,11 +6,14 @@ or out-of-vocabulary query returns zero-score docs instead of failing.
 
 `bm25s` is imported where it is used: importing it runs a JAX computation (its selection
 module calls `jax.lax.top_k` when JAX is installed), which starts the XLA backend, and a
-multi-process run must call `jax.distributed.initialize` before that happens.
+multi-process run must call `jax.distributed.initialize` before that happens. Its logger,
+which it sets to DEBUG on import (a "Building index" line on every run), is set back to
+WARNING.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -28,17 +31,21 @@ class BM25Options:
     stopwords: str = "en"
 
 
-def _tokenize(texts: list[str], options: BM25Options, as_ids: bool, progress: bool = False):
+def _bm25s():
     import bm25s
-    return bm25s.tokenize(
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    return bm25s
+
+
+def _tokenize(texts: list[str], options: BM25Options, as_ids: bool, progress: bool = False):
+    return _bm25s().tokenize(
         texts, stopwords=options.stopwords, return_ids=as_ids, show_progress=progress
     )
 
 
 def build_bm25(texts: list[str], options: BM25Options, progress: bool = True):
     """Corpus texts [N] -> a fitted bm25s.BM25."""
-    import bm25s
-    model = bm25s.BM25(k1=options.k1, b=options.b, method=options.method)
+    model = _bm25s().BM25(k1=options.k1, b=options.b, method=options.method)
     model.index(_tokenize(texts, options, as_ids=True, progress=progress), show_progress=progress)
     return model
 
@@ -53,8 +60,7 @@ def load_bm25(folder: str | Path):
         raise FileNotFoundError(
             f"no BM25 index at {path}; build one with `car-jax build-index --backend bm25`"
         )
-    import bm25s
-    return bm25s.BM25.load(str(path), show_progress=False)
+    return _bm25s().BM25.load(str(path), show_progress=False)
 
 
 class BM25Retriever(Retriever):

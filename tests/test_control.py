@@ -2,6 +2,9 @@
 E[q | kind], its report, and (in `test_trainer_learns_the_known_confidence`) the real trainer
 learning the confidence each kind deserves where the binary reward does not."""
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -73,25 +76,37 @@ def _error(values: dict, arm: "control.Arm", kinds) -> float:
 
 
 def test_trainer_learns_the_known_confidence(tmp_path):
-    """The control's quick version through the real trainer and `run_control`: the two
-    extreme kinds (split "extremes": p = 0.1 and 0.9), one seed. From a warm start that states
-    the same random confidences for both, Brier GRPO reaches E[q | kind] near p for both;
-    the binary reward, from the same warm start with the same prompts and coin tosses, does
-    not, and neither does the untrained warm start."""
+    """The control's quick version through the real trainer, run as a user runs it
+    (`car-jax control --quick` in its own process, with XLA's default flags rather than this
+    suite's -O0 and full-precision matmuls): the two extreme kinds (p = 0.1 and 0.9), one seed.
+    From a warm start that states the same random confidences for both, Brier GRPO reaches
+    E[q | kind] within the control's tolerance of p for both; the binary reward, from the same
+    warm start with the same prompts and coin tosses, does not come near, and neither does
+    the untrained warm start.
+
+    Bounds: in results/control_extremes_g16 (this design, 5 seeds) Brier's error was
+    0.020-0.079 with a spread (slate - amber) of 0.68-0.87, binary's error 0.215-0.410 and
+    the warm starts' 0.36-0.43 with spreads of at most 0.08."""
     kinds = chance.KINDS[:2]
-    assert sorted(p for _, p in kinds) == [0.1, 0.9]
-    rep = control.run_quick(tmp_path, log=lambda _: None)
+    assert sorted(p for _, p in kinds) == [0.1, 0.9] and chance.split_kinds(control.QUICK_SPLIT) == kinds
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-m", "car_jax.cli", "control", "--quick", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=3600)
+    assert done.returncode == 0, done.stderr[-3000:]
     got = {name: json.loads((tmp_path / f"{name}-s0" / control.UNIT_FILE).read_text())
            for name in ("warm", "brier", "binary")}
     brier, binary = control.ARMS["brier"], control.ARMS["binary"]
     spread = {n: got[n]["slate"]["expected_q"] - got[n]["amber"]["expected_q"] for n in got}
-    assert _error(got["brier"], brier, kinds) <= 0.15 and spread["brier"] >= 0.55, got["brier"]
+    assert _error(got["brier"], brier, kinds) <= control.TOLERANCE and spread["brier"] >= 0.55, got["brier"]
     assert _error(got["warm"], brier, kinds) >= 0.3 and abs(spread["warm"]) <= 0.1, got["warm"]
-    assert _error(got["binary"], binary, kinds) >= 0.25 and abs(spread["binary"]) <= 0.3, got["binary"]
+    assert _error(got["binary"], binary, kinds) >= 0.15, got["binary"]
+    rep = json.loads((tmp_path / control.REPORT_FILE).read_text())
     assert rep["arms"]["brier"]["error"]["0"] == pytest.approx(_error(got["brier"], brier, kinds))
-    assert rep["arms"]["brier"]["learned"] is (rep["arms"]["brier"]["error"]["0"] <= control.TOLERANCE)
+    assert rep["arms"]["brier"]["learned"] is True and rep["arms"]["binary"]["learned"] is False
+    assert "brier: learns q* in every seed" in done.stdout
     rows = [json.loads(line) for line in (tmp_path / "brier-s0" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == control.QUICK_STEPS and {"q/chance-amber", "q/chance-slate"} <= set(rows[-1])
+    assert (tmp_path / control.PLOT_FILE).stat().st_size > 0
 
 
 @pytest.mark.parametrize("argv, message", [

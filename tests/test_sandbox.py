@@ -177,7 +177,7 @@ f(0)
 """
     result, obs = traced(code)
     assert not result.timed_out and result.exit_code == 1, result
-    assert result.stdout == f"{CFG.max_recursion}\nthrough C: maximum recursion depth exceeded\n"
+    assert result.stdout.startswith(f"{CFG.max_recursion}\nthrough C: maximum recursion depth exceeded")
     assert obs == "Code execution result: RecursionError: maximum recursion depth exceeded"
     # f and g alternate, so no frame repeats the one before and none is folded: a full
     # traceback (2 lines per frame) would pass the output cap; the last frames are printed
@@ -185,17 +185,39 @@ f(0)
 
 
 def test_deep_recursion_through_c_has_the_stack_it_needs(traced):
-    # lru_cache puts a C call between the Python frames: 40,000 levels need ~40 MB of C
-    # stack, beyond the usual 8 MB main-thread stack (a segfault there)
-    code = """import functools, sys
+    # sorted(key=...) puts ~5 KB of C stack between the Python frames: 8,000 levels (24,000
+    # of the recursion limit) need ~40 MB, beyond the usual 8 MB main-thread stack (a
+    # segfault there from 5,000 levels); deeper still, the RecursionError, not a segfault
+    code = """import sys
 sys.setrecursionlimit(10**6)
-@functools.lru_cache(maxsize=None)
-def depth(n):
-    return 0 if n == 0 else depth(n - 1) + 1
-print(depth(40_000))
+def f(n):
+    return 0 if n == 0 else sorted([n], key=lambda _: f(n - 1))[0]
+print(f(8_000))
+try:
+    f(20_000)
+except RecursionError:
+    print('RecursionError')
 """
     result, obs = traced(code)
-    assert result.ok and obs == "Code execution result: 40000\n", result
+    assert result.ok and obs == "Code execution result: 8000\nRecursionError\n", result
+
+
+def test_printing_a_list_nested_past_the_cap_ends_in_its_error_not_the_timeout(traced):
+    # repr of a list nested D deep costs ~D^2/2 in CPython (Py_ReprEnter): at a cap of
+    # 100,000 it ran ~5 s, into the 3 s timeout of CFG; at the cap it ends in RecursionError
+    code = """import sys
+sys.setrecursionlimit(10**6)
+x = []
+for _ in range(10**6):
+    x = [x]
+try:
+    print(len(repr(x)))
+except RecursionError:
+    print(sys.getrecursionlimit(), 'RecursionError')
+"""
+    result, obs = traced(code)
+    assert not result.timed_out and result.ok, result
+    assert result.stdout == f"{CFG.max_recursion} RecursionError\n"
 
 
 def test_deep_recursion_in_a_thread_has_the_stack_it_needs(traced):
@@ -209,7 +231,7 @@ class A:
     def __repr__(self):
         return repr(A())
 def run():
-    print(depth(40_000))
+    print(depth(14_000))  # a segfault in a thread with glibc's default stack
     try:
         repr(A())
     except RecursionError as err:
@@ -223,7 +245,7 @@ more = [threading.Thread(target=threading.Event().wait, args=(0.2,)) for _ in ra
 print(len(more))
 """
     result, obs = traced(code)
-    assert result.ok and result.stdout == "40000\nRecursionError\n6\n", result
+    assert result.ok and result.stdout == "14000\nRecursionError\n6\n", result
 
 
 def test_no_new_namespaces(traced):

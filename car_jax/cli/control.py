@@ -5,7 +5,8 @@ reach E[q | kind] = p, MSCR with b1 != b2 its own q*, and the binary reward noth
 
     car-jax control                                   # 4 arms x 5 seeds x 150 steps (run or resume), then report
     car-jax control --arms brier,binary --seeds 0,1   # a subset
-    car-jax control --split extremes --steps 60 --out runs/control-quick   # p = 0.1, 0.9 only
+    car-jax control --split extremes --steps 60 --out runs/control-x   # p = 0.1, 0.9 only
+    car-jax control --quick --out runs/control-quick  # Brier vs binary, p = 0.1, 0.9, seed 0, 60 steps
     car-jax control --report --out results/control    # rebuild the table and figure; run nothing
 
 Every unit is a `car-jax train` folder under --out that resumes where it stopped.
@@ -22,8 +23,10 @@ def register(sub) -> None:
                    "mscr_b2_3; also brier_std: Brier with GRPO's std normalisation)")
     p.add_argument("--seeds", type=_seeds, default=None, help="comma-separated seeds (default 0,1,2,3,4)")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps per arm (default 150)")
-    p.add_argument("--split", default="train", help="the coins to train on and score: train (all five kinds) "
-                   "or extremes (p = 0.1 and 0.9 only, a quick run)")
+    p.add_argument("--split", default=None, help="the coins to train on and score: train (all five kinds, the "
+                   "default) or extremes (p = 0.1 and 0.9 only)")
+    p.add_argument("--quick", action="store_true", help="the quick version (about 9 minutes on two cores): "
+                   "defaults to --arms brier,binary --seeds 0 --split extremes --steps 60")
     p.add_argument("--report", action="store_true", help="rebuild the report from --out; run nothing")
     p.add_argument("overrides", nargs="*", help="dotted train-config overrides for every unit, e.g. "
                    "rl.optim.lr=1e-3 (sft.* reaches the warm start only: the arms run no SFT)")
@@ -51,6 +54,12 @@ def _run(args) -> int:
     from car_jax.config import ConfigError
     from car_jax.experiment import control
 
+    if args.quick:
+        args.arms = args.arms or list(control.QUICK_ARMS)
+        args.seeds = args.seeds if args.seeds is not None else list(control.QUICK_SEEDS)
+        args.split = args.split or control.QUICK_SPLIT
+        args.steps = args.steps if args.steps is not None else control.QUICK_STEPS
+    args.split = args.split or "train"
     arms = args.arms or list(control.DEFAULT_ARMS)
     unknown = [a for a in arms if a not in control.ARMS]
     if unknown:

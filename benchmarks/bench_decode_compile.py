@@ -1,5 +1,5 @@
 """The decode loop under each execution policy, on the embedded SmolLM2-135M-Instruct
-(fp32, CPU): how long `decode_segment` takes to lower and compile with the plain
+(fp32, CPU): how long the decode loop (`DecodeLoop.segment`) takes to lower and compile with the plain
 policy's scanned layers (one stacked cache carried through a `lax.scan`) and with the
 XLA:CPU policy's unrolled layers (a Python loop over per-layer weights and caches), and
 its steady-state greedy tokens/s.
@@ -31,17 +31,19 @@ def measure(folder, tok, ids, policy, new: int, repeats: int) -> dict:
     import jax.numpy as jnp
 
     import car_jax
-    from car_jax.rollout.decode import decode_segment
+    from car_jax.rollout.decode import DecodeLoop
     from car_jax.rollout.generate import prefill_prompts
     from car_jax.rollout.sampling import Sampler
 
     model = car_jax.load_model(folder, progress=False, policy=policy)
     logits, cache, _ = prefill_prompts(model, ids, new, tok.pad_token_id or 0)
     b = len(ids)
-    args = (model.params, cache, logits, jnp.ones(b, bool), jnp.zeros((0,), jnp.int32),
-            jnp.zeros((1, 1, model.config.vocab_size), jnp.int32), jax.random.key(0))
+    args = dict(params=model.params, cache=cache, logits=logits, live=jnp.ones(b, bool),
+                eos_ids=jnp.zeros((0,), jnp.int32), tables=jnp.zeros((1, 1, model.config.vocab_size), jnp.int32),
+                key=jax.random.key(0))
+    loop = DecodeLoop(module=model.module, sampler=Sampler(), max_steps=new, windows=())
     start = time.perf_counter()
-    lowered = decode_segment.lower(model.module, Sampler(), new, *args, windows=())
+    lowered = DecodeLoop.segment.lower(loop, **args)
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
     compiled = lowered.compile()
@@ -51,7 +53,7 @@ def measure(folder, tok, ids, policy, new: int, repeats: int) -> dict:
         fresh = jax.tree.map(jnp.copy, cache)  # the loop donates its cache
         jax.block_until_ready(fresh)
         start = time.perf_counter()
-        out, _ = compiled(args[0], fresh, *args[2:])
+        out, _ = compiled(**{**args, "cache": fresh})
         jax.block_until_ready(out.tokens)
         best = min(best, time.perf_counter() - start) if _ else best
     return {"policy": policy.name, "lower_s": lower_s, "compile_s": compile_s, "decode_s": best,

@@ -27,6 +27,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/lockstep.py
 
 from common import header  # noqa: E402
 
@@ -71,7 +72,7 @@ def main() -> None:
     import car_jax
     from car_jax.assets import smollm2_gguf
     from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
-    from car_jax.rollout.lockstep import run_lockstep
+    from tests.lockstep import run_lockstep  # the reference runner, kept beside the tests
 
     folder = tempfile.mkdtemp()
     torch.manual_seed(0)

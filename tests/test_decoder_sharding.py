@@ -17,7 +17,8 @@ from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN, XLA_CPU
 from car_jax.plan.xla import Compiled, abstract_params
-from car_jax.rollout import decode
+from car_jax.rollout.decode import DecodeLoop
+from car_jax.rollout.prefill import prefill
 from car_jax.rollout.sampling import Sampler
 
 CFG = ModelConfig("qwen2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -42,10 +43,11 @@ def rollout(module: Decoder, params, mesh):
     rows = None if mesh is None else NamedSharding(mesh, P("fsdp"))
     put = (lambda x: jnp.asarray(x)) if mesh is None else (lambda x: jax.device_put(x, rows))
     cache = module.policy.init_cache(CFG, B, S, module.dtype, mesh)
-    logits, cache = decode.prefill(module, params, cache, put(np.where(valid, tokens, 0)), put(valid))
+    logits, cache = prefill(module, params, cache, put(np.where(valid, tokens, 0)), put(valid))
     no_stops = jnp.zeros((1, 2, CFG.vocab_size), jnp.int32)  # one automaton that never completes
-    return decode.decode_segment(module, Sampler(), STEPS, params, cache, logits, put(np.ones(B, bool)),
-                                 jnp.asarray([-1], jnp.int32), no_stops, jax.random.key(0))
+    return DecodeLoop(module=module, sampler=Sampler(), max_steps=STEPS).segment(
+        params=params, cache=cache, logits=logits, live=put(np.ones(B, bool)), eos_ids=jnp.asarray([-1], jnp.int32),
+        tables=no_stops, key=jax.random.key(0))
 
 
 # Both cache layouts (stacked, and XLA:CPU's one array per layer) with kv heads over tp = 2,
@@ -72,13 +74,13 @@ def test_prefill_and_decode_on_the_mesh_equal_one_device(policy, fsdp, tp):
 
 
 def compiled_prefill(module: Decoder, fsdp: int, rows: int, t: int):
-    """decode.prefill compiled from abstract inputs (no weights) on a fsdp x 1 mesh: params in
+    """prefill compiled from abstract inputs (no weights) on a fsdp x 1 mesh: params in
     the train layout, cache and chunk rows over fsdp."""
     mesh = car_jax.make_mesh(fsdp=fsdp, tp=1, devices=jax.devices()[:fsdp])
     cache = jax.eval_shape(lambda: module.policy.init_cache(CFG, rows, 2 * t, module.dtype, mesh))
     chunk = jax.ShapeDtypeStruct((rows, t), jnp.int32, sharding=NamedSharding(mesh, P("fsdp", None)))
     valid = jax.ShapeDtypeStruct((rows, t), bool, sharding=chunk.sharding)
-    return decode.prefill.lower(module, abstract_params(module, mesh), cache, chunk, valid).compile()
+    return prefill.lower(module, abstract_params(module, mesh), cache, chunk, valid).compile()
 
 
 def test_compiled_prefill_runs_each_devices_rows_only():

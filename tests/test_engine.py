@@ -12,13 +12,14 @@ import pytest
 import car_jax
 from car_jax.assets import smollm2_gguf
 from car_jax.rollout import engine
+from car_jax.rollout.decode import DecodeLoop, episode_keys
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
 from car_jax.rollout.generate import round_up
-from car_jax.rollout.lockstep import run_lockstep
 from car_jax.rollout.protocols import ANSWER, Action
 from car_jax.rollout.schedule import Clock
-from car_jax.rollout.slots import compact, episode_keys, move_rows
+from car_jax.rollout.slots import compact, move_rows
 from tests.hf_factory import build
+from tests.lockstep import run_lockstep
 
 PROMPTS = ["Question one?", "A much longer second question, with more words in it?", "Q3", "Four",
            "Q3", "Six: the last one"]
@@ -124,7 +125,7 @@ def test_slots_give_the_episodes_of_all_at_once(setup, temperature):
         # fewer slots (one of two parking episodes that wait for a tool), as many, more.
         # Sampled episodes only: the slot mechanics (refill, parking, narrowing, compaction)
         # are the same code whatever the sampler, which only picks each row's token from its
-        # logits inside decode_slots (a static argument: greedy slot layouts would compile
+        # logits inside the decode loop (a static part of DecodeLoop: greedy slot layouts would compile
         # their own decode programs to run that code again); sampled episodes are the
         # stricter check, each row's draw also following its episode's RNG stream whatever
         # its slot. Greedy episodes through fewer slots than episodes are checked on a mesh
@@ -265,14 +266,14 @@ def test_a_mesh_rollout_gives_the_unsharded_episodes(setup, sharded, monkeypatch
     greedy episodes equal those of one device, all at once, and each refill runs only its
     rows' distinct prompts (u rows, split over fsdp), not every slot."""
     every = _run(setup, 0.0, 0)
-    prefill = engine.prefill_prompts_shared
+    prefill = engine.prefill_distinct
     runs = []  # (prompt rows run, slots) of each refill
 
-    def spy(module, params, cache, logits, tokens, valid, inverse):
+    def spy(module, *, cache, tokens, inverse, **kwargs):
         runs.append((tokens.shape[0], cache.batch_size, int((np.asarray(inverse) >= 0).sum())))
-        return prefill(module, params, cache, logits, tokens, valid, inverse)
+        return prefill(module, cache=cache, tokens=tokens, inverse=inverse, **kwargs)
 
-    monkeypatch.setattr(engine, "prefill_prompts_shared", spy)
+    monkeypatch.setattr(engine, "prefill_distinct", spy)
     model, tok = setup
     trajs = run_episodes(sharded, tok, PROMPTS, {"search": scripted_search}, config=_cfg(0.0, 4), protocol=Scripted(),
                          seed=7)
@@ -284,13 +285,13 @@ def test_a_mesh_rollout_gives_the_unsharded_episodes(setup, sharded, monkeypatch
 def _count_decode_calls(monkeypatch) -> list[int]:
     """The engine's decode calls counted, from now on, in the one-item list returned."""
     calls = [0]
-    decode = engine.decode_slots
+    decode = DecodeLoop.run
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "decode_slots", counting)
+    monkeypatch.setattr(DecodeLoop, "run", counting)
     return calls
 
 

@@ -199,6 +199,17 @@ def test_seed_reproducible(tiny):
     assert (a.tokens != c.tokens).any()
 
 
+def test_a_rows_draws_do_not_depend_on_the_other_rows(tiny):
+    """Per-episode randomness (`decode.episode_keys`, a row's episode is its index): with the
+    same seed, a row's sampled tokens are the same whatever the other rows hold."""
+    kwargs = dict(max_new_tokens=12, sampler=Sampler(1.0), eos=np.array([], np.int32), seed=7)
+    a = generate_ids(tiny, _Tok(), [[1, 2, 3], [4, 5]], **kwargs)
+    b = generate_ids(tiny, _Tok(), [[1, 2, 3], [9, 9, 9, 9]], **kwargs)
+    np.testing.assert_array_equal(a.tokens[0], b.tokens[0])
+    np.testing.assert_allclose(a.logp[0], b.logp[0], atol=1e-6)
+    assert (a.tokens[1] != b.tokens[1]).any()
+
+
 def test_truncate_matches_numpy():
     """top-k first, then the nucleus of the renormalised top-k distribution (the order
     transformers applies its warpers in)."""

@@ -93,12 +93,13 @@ ROWS, PROMPT, CAPACITY, STEPS = 3, 16, 200, 60
 
 @POLICIES
 def test_shared_prompt_prefill_equals_a_prefill_per_row(policy, tmp_path):
-    """A GRPO batch repeats each prompt G times: prefill_shared runs the distinct ones and
+    """A GRPO batch repeats each prompt G times: prefill_distinct runs the distinct ones and
     copies their cache rows. Logits, keys, values, valid slots and positions equal a
     prefill of every row, and decoding on from either cache gives the same tokens. The
     prefill of every row and the decode loop are the staged test's programs."""
-    from car_jax.rollout.decode import decode_segment, prefill, prefill_shared
+    from car_jax.rollout.decode import DecodeLoop
     from car_jax.rollout.generate import left_pad
+    from car_jax.rollout.prefill import prefill, prefill_distinct
     from car_jax.rollout.sampling import Sampler
     build("qwen2", tmp_path)
     model = car_jax.load_model(tmp_path, policy=policy)
@@ -110,8 +111,9 @@ def test_shared_prompt_prefill_equals_a_prefill_per_row(policy, tmp_path):
     want_logits, want = prefill(model.module, model.params, model.init_cache(ROWS, CAPACITY), jnp.asarray(tokens),
                                 jnp.asarray(valid))
     tokens_u, valid_u = left_pad(prompts, PROMPT, 0)
-    got_logits, got = prefill_shared(model.module, model.params, model.init_cache(ROWS, CAPACITY),
-                                     jnp.asarray(tokens_u), jnp.asarray(valid_u), jnp.asarray(inverse))
+    got_logits, got = prefill_distinct(model.module, params=model.params, cache=model.init_cache(ROWS, CAPACITY),
+                                       tokens=jnp.asarray(tokens_u), valid=jnp.asarray(valid_u),
+                                       inverse=jnp.asarray(inverse))
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5)
     for a, b in zip(leaves(got), leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
@@ -120,8 +122,9 @@ def test_shared_prompt_prefill_equals_a_prefill_per_row(policy, tmp_path):
     assert int(got.index) == int(want.index) == PROMPT
     tables = jnp.zeros((1, 1, model.config.vocab_size), jnp.int32)  # one automaton that never fires
     no_eos = jnp.asarray([-1], jnp.int32)
-    outs = [decode_segment(model.module, Sampler(1.0), STEPS, model.params, c, lg, jnp.ones(ROWS, bool), no_eos,
-                           tables, jax.random.key(0), windows=())[0]  # as the staged test passes it
+    loop = DecodeLoop(module=model.module, sampler=Sampler(1.0), max_steps=STEPS, windows=())  # as the staged test
+    outs = [loop.segment(params=model.params, cache=c, logits=lg, live=jnp.ones(ROWS, bool), eos_ids=no_eos,
+                         tables=tables, key=jax.random.key(0))[0]
             for c, lg in ((got, got_logits), (want, want_logits))]
     np.testing.assert_array_equal(np.asarray(outs[1].length), STEPS)
     np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
@@ -130,13 +133,14 @@ def test_shared_prompt_prefill_equals_a_prefill_per_row(policy, tmp_path):
 
 @POLICIES
 def test_staged_windowed_decode_equals_decode_over_the_whole_cache(policy, tmp_path):
-    """decode_segment(windows=...) samples in stages over the first W_j slots only and
+    """DecodeLoop(windows=...) samples in stages over the first W_j slots only and
     writes them back: sampled tokens, their log-probs and the returned cache equal one
     decode over all S slots, over several stages (rows that stop early, and rows that take
     no part, included). The stages run every step a single window short of S runs (take
     the first slots, loop, write them back), and each stage more is one more compile."""
-    from car_jax.rollout.decode import decode_segment, prefill
+    from car_jax.rollout.decode import DecodeLoop
     from car_jax.rollout.generate import decode_windows, left_pad
+    from car_jax.rollout.prefill import prefill
     from car_jax.rollout.sampling import Sampler
     build("qwen2", tmp_path)
     model = car_jax.load_model(tmp_path, policy=policy)
@@ -146,15 +150,16 @@ def test_staged_windowed_decode_equals_decode_over_the_whole_cache(policy, tmp_p
     staged = decode_windows(16, steps, capacity)
     assert staged == (64, 96)  # slots 17..64, then 65..76 (the 96 bucket), well short of 200
     # with this seed, under each policy's draw: row 0 stops in the first stage, row 1 does not
-    eos = jnp.asarray([40 if policy is XLA_CPU else 42], jnp.int32)
+    eos = jnp.asarray([69 if policy is XLA_CPU else 14], jnp.int32)
     tables = jnp.zeros((1, 1, model.config.vocab_size), jnp.int32)
     runs = []
     for windows in ((), staged):
         logits, cache = prefill(model.module, model.params, model.init_cache(ROWS, capacity), jnp.asarray(tokens),
                                 jnp.asarray(valid))
-        out, cache = decode_segment(model.module, Sampler(1.0), steps, model.params, cache, logits,
-                                    jnp.asarray([True, True, False]), eos, tables, jax.random.key(5),
-                                    windows=windows)
+        loop = DecodeLoop(module=model.module, sampler=Sampler(1.0), max_steps=steps, windows=windows)
+        out, cache = loop.segment(params=model.params, cache=cache, logits=logits,
+                                  live=jnp.asarray([True, True, False]), eos_ids=eos, tables=tables,
+                                  key=jax.random.key(5))
         runs.append((out, cache))
     want, want_cache = runs[0]
     lengths = np.asarray(want.length)
@@ -175,7 +180,7 @@ def test_staged_windowed_decode_equals_decode_over_the_whole_cache(policy, tmp_p
 
 
 def test_decode_refuses_windows_that_do_not_increase(tmp_path):
-    from car_jax.rollout.decode import decode_segment
+    from car_jax.rollout.decode import DecodeLoop
     from car_jax.rollout.sampling import Sampler
     build("qwen2", tmp_path)
     model = car_jax.load_model(tmp_path)
@@ -184,8 +189,9 @@ def test_decode_refuses_windows_that_do_not_increase(tmp_path):
     tables = jnp.zeros((1, 1, model.config.vocab_size), jnp.int32)
     for bad in ((16, 16), (16, 48)):
         with pytest.raises(ValueError, match="must increase and end at most at the capacity 32"):
-            decode_segment(model.module, Sampler(), 4, model.params, cache, logits, jnp.ones(1, bool),
-                           jnp.zeros((0,), jnp.int32), tables, jax.random.key(0), windows=bad)
+            DecodeLoop(module=model.module, sampler=Sampler(), max_steps=4, windows=bad).segment(
+                params=model.params, cache=cache, logits=logits, live=jnp.ones(1, bool),
+                eos_ids=jnp.zeros((0,), jnp.int32), tables=tables, key=jax.random.key(0))
 
 
 def test_decode_windows_bucket_stage_and_refuse_overflow():

@@ -22,8 +22,9 @@ from car_jax.models.policy import PLAIN, XLA_CPU, backend_policy, plain_tied_une
 from car_jax.rl import grpo
 from car_jax.rl.logprobs import response_logprobs
 from car_jax.rl.steps import grads_and_metrics
-from car_jax.rollout.decode import decode_segment, prefill
+from car_jax.rollout.decode import DecodeLoop
 from car_jax.rollout.generate import left_pad
+from car_jax.rollout.prefill import prefill
 from car_jax.rollout.sampling import Sampler
 from tests.hf_factory import build
 
@@ -90,9 +91,9 @@ def _greedy(model, prompts, steps=12, capacity=48):
     logits, cache = prefill(model.module, model.params, model.init_cache(len(prompts), capacity),
                             jnp.asarray(tokens), jnp.asarray(valid))
     tables = jnp.zeros((1, 1, V), jnp.int32)
-    out, cache = decode_segment(model.module, Sampler(), steps, model.params, cache, logits,
-                                jnp.ones(len(prompts), bool), jnp.zeros((0,), jnp.int32), tables, jax.random.key(0),
-                                windows=(32, capacity))
+    loop = DecodeLoop(module=model.module, sampler=Sampler(), max_steps=steps, windows=(32, capacity))
+    out, cache = loop.segment(params=model.params, cache=cache, logits=logits, live=jnp.ones(len(prompts), bool),
+                              eos_ids=jnp.zeros((0,), jnp.int32), tables=tables, key=jax.random.key(0))
     return out, cache
 
 

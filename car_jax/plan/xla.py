@@ -3,7 +3,8 @@ abstract inputs and compiled, without weights.
 
 `xla_memory(cfg, model_cfg, mesh, shapes)` builds what the trainer builds (the Decoder with
 the accelerator policy `PLAIN`, the optimizer, `steps.make_train_step` with the train
-state's shardings, the rollout's `decode.prefill` and `decode.segment`) over
+state's shardings, the rollout's `prefill.prefill` and the engine's decode call
+`decode.DecodeLoop.run`) over
 `jax.ShapeDtypeStruct`s that carry their `NamedSharding` (the param tree from
 `jax.eval_shape` of the module's init, laid out by `sharding.params_shardings`), lowers
 and compiles each program for `mesh` and reads `compiled.memory_analysis()`. On a CPU host
@@ -28,7 +29,8 @@ from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN
 from car_jax.plan.shapes import Shapes
 from car_jax.rl.steps import BATCH_KEYS, TrainState, make_optimizer, make_train_step, opt_state_shardings
-from car_jax.rollout import decode
+from car_jax.rollout.decode import DecodeLoop, DecodeState
+from car_jax.rollout.prefill import prefill
 from car_jax.train.config import TrainConfig
 
 # LLVM at -O0: the same buffer assignment (memory_analysis) as the default, compiled in
@@ -114,8 +116,9 @@ def xla_memory(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shapes: Sha
     of `shapes.prompt` and responses of `shapes.response` tokens (the trainer's padded
     widths). prefill / decode: the rollout's `shapes.rollout_rows` rows over a cache of
     `shapes.capacity` slots; the prefill writes a chunk of `shapes.prefill_chunk` tokens,
-    the decode loop samples `cfg.rollout.max_response_tokens` tokens in one stage over
-    the whole cache (the last turn's)."""
+    the engine's decode call (`DecodeLoop.run`, every row decoding) samples
+    `cfg.rollout.max_response_tokens` tokens in one stage over the whole cache (the last
+    turn's)."""
     unknown = set(programs) - set(PROGRAMS)
     if unknown:
         raise ValueError(f"programs={programs}: unknown {sorted(unknown)}; pick from {PROGRAMS}")
@@ -139,20 +142,28 @@ def xla_memory(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shapes: Sha
         chunk = jax.ShapeDtypeStruct((b, shapes.prefill_chunk), jnp.int32,
                                      sharding=NamedSharding(mesh, P("fsdp", None)))
         valid = jax.ShapeDtypeStruct(chunk.shape, bool, sharding=chunk.sharding)
-        out["prefill"] = Compiled.of(decode.prefill.lower(module, params, cache, chunk, valid).compile(OPTIONS))
+        out["prefill"] = Compiled.of(prefill.lower(module, params, cache, chunk, valid).compile(OPTIONS))
     if "decode" not in programs:
         return out
 
-    replicated = NamedSharding(mesh, P())
+    replicated, matrix = NamedSharding(mesh, P()), NamedSharding(mesh, P("fsdp", None))
     a, z = STOP_AUTOMATA
-    args = dict(
-        logits=jax.ShapeDtypeStruct((b, v), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None))),
-        active=jax.ShapeDtypeStruct((b,), bool, sharding=rows),
-        eos_ids=jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated),
+
+    def per_row(dtype, *shape):  # [B, ...], rows over fsdp
+        return jax.ShapeDtypeStruct((b, *shape), dtype, sharding=matrix if shape else rows)
+
+    def scalar(dtype):  # [], replicated
+        return jax.ShapeDtypeStruct((), dtype, sharding=replicated)
+
+    state = DecodeState(cache=cache, logits=per_row(jnp.float32, v), live=per_row(bool), count=per_row(jnp.int32),
+                        dfa=per_row(jnp.int32, a), enabled=per_row(bool, a), episode=per_row(jnp.int32),
+                        drawn=per_row(jnp.int32))
+    loop = DecodeLoop(module=module, sampler=cfg.rollout.sampler, max_steps=cfg.rollout.max_response_tokens,
+                      windows=(shapes.capacity,))
+    lowered = DecodeLoop.run.lower(
+        loop, params=params, state=state, eos_ids=jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated),
         tables=jax.ShapeDtypeStruct((a, z, v), jnp.int32, sharding=replicated),
-        key=jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated))
-    lowered = decode.decode_segment.lower(module, cfg.rollout.sampler, cfg.rollout.max_response_tokens, params, cache,
-                                          args["logits"], args["active"], args["eos_ids"], args["tables"], args["key"],
-                                          windows=(shapes.capacity,))
+        key=scalar(jax.eval_shape(lambda: jax.random.key(0)).dtype), min_idle=scalar(jnp.int32),
+        limit=scalar(jnp.int32))
     out["decode"] = Compiled.of(lowered.compile(OPTIONS))
     return out

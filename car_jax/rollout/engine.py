@@ -1,7 +1,8 @@
 """The episode engine: continuous batching of episodes through a fixed number of slots.
 
-    waiting episodes --refill--> slots (rows of one KV cache, `slots.py`)
-        [device] prefill prompts / pending token + observation, decode the live slots
+    waiting episodes --refill--> slots (rows of one KV cache)
+        [device] prefill prompts / pending token + observation (`prefill.py`), decode the
+                 live slots (`decode.DecodeLoop.run`), pack or move cache rows (`slots.py`)
         [host]   parse each ended segment: answer -> the slot frees up for the next
                  waiting episode; tool call -> a tool job in a thread pool, which runs
                  while the device keeps decoding the other slots
@@ -25,11 +26,11 @@ a tool job's time over the running mean of a decode step's), so that row does no
 to the end of the call. Where a call ends does not change an episode's tokens. Every
 call into the device is made by every process in the same order; what the host knows
 only locally (rows to prefill, live rows, waiting episodes, tool jobs out, steps until
-a result is due) is agreed in one `hosts.allgather` a round.
+a result is due) is agreed in one `hosts.allgather` a round (`schedule.Round`).
 
 With several processes each owns a contiguous block of the slots (rows over fsdp, as
 `hosts.local_rows`) and refills them from its own episodes; its episode i is the step's
-episode offset + i, which seeds its RNG stream (`slots.episode_keys`), so tokens do not
+episode offset + i, which seeds its RNG stream (`decode.episode_keys`), so tokens do not
 depend on slots, waves or processes.
 """
 from __future__ import annotations
@@ -44,10 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax import hosts
+from car_jax.models.cache import KVCache
+from car_jax.rollout.decode import DecodeLoop, DecodeState, SegmentOut
 from car_jax.rollout.generate import BUCKET, decode_windows, eos_ids, left_pad, length_bucket, prompt_texts, round_up
+from car_jax.rollout.prefill import prefill_distinct, prefill_rows
 from car_jax.rollout.protocols import ANSWER, VOID, Action
-from car_jax.rollout.schedule import Clock, Rows, pad_moves, split_rows
-from car_jax.rollout.slots import compact, decode_slots, move_rows, prefill_prompts_shared, prefill_rows
+from car_jax.rollout.schedule import Clock, Round, Rows, pad_moves, split_rows
+from car_jax.rollout.slots import compact, move_rows
 from car_jax.rollout.stops import stop_tables
 from car_jax.rollout.tool_calls import Tool, run_tools
 from car_jax.rollout.trajectory import EpisodeStats, Trajectory, observation_ids
@@ -161,8 +165,9 @@ class Engine:
         inverse = np.where(inverse >= 0, inverse + first, -1).astype(np.int32)
         tokens, valid = left_pad(list(distinct) + [[]] * (u - len(distinct)), self.prompt_width, self.pad)
         cache = self._room(cache, self.prompt_width)
-        logits, cache = prefill_prompts_shared(self.model.module, self.model.params, cache, logits,
-                                               self._global(tokens), self._global(valid), self._global(inverse))
+        logits, cache = prefill_distinct(self.model.module, params=self.model.params, cache=cache, logits=logits,
+                                         tokens=self._global(tokens), valid=self._global(valid),
+                                         inverse=self._global(inverse))
         self.stats.prefilled_tokens += sum(len(self.trajs[self.slots.episode[r]].prompt_ids) for r in rows)
         return cache, logits
 
@@ -171,26 +176,30 @@ class Engine:
         tokens, valid = left_pad(per_row, width, self.pad)
         cache = self._room(cache, width)
         logits, cache = prefill_rows(self.model.module, self.model.params, cache, logits, self._global(tokens),
-                                     self._global(valid), self._global(np.zeros(self.b, bool)))
+                                     self._global(valid))
         self.stats.prefilled_tokens += int(valid.sum())
         self.chunks = {}
         return cache, logits
 
-    def _decode(self, cache, logits, min_idle: int, limit: int):
+    def _decode(self, cache: KVCache, logits, min_idle: int,
+                limit: int) -> tuple[SegmentOut, np.ndarray, KVCache, jax.Array]:
         """One decode call over the slots. It attends over one window, the cache's first
         slots up to the bucket that holds index + max_response_tokens: a call is at most a
         segment long and the index of mixed slots is rarely small, so staged windows would
-        save little and cost one compile each."""
+        save little and cost one compile each. Returns (this process's rows of the call's
+        output, as numpy; their automata's states int32[b, A] after it; cache; logits)."""
         r_max = self.cfg.max_response_tokens
         cache = self._room(cache, r_max)
         s = self.slots
         episode = np.where(s.episode >= 0, s.episode + self.offset, 0).astype(np.int32)
+        loop = DecodeLoop(module=self.model.module, sampler=self.cfg.sampler, max_steps=r_max,
+                          windows=decode_windows(int(cache.index), r_max, cache.capacity, stages=1))
         t0 = time.perf_counter()
-        out, logits, cache = decode_slots(
-            self.model.module, self.cfg.sampler, r_max, self.model.params, cache, logits,
-            *(self._global(x) for x in (s.live, s.count, s.dfa, s.enabled, episode, s.drawn)),
-            self.eos, self.tables, self.key, np.int32(min_idle), np.int32(limit),
-            windows=decode_windows(int(cache.index), r_max, cache.capacity, stages=1))
+        state = DecodeState(cache=cache, logits=logits, live=self._global(s.live), count=self._global(s.count),
+                            dfa=self._global(s.dfa), enabled=self._global(s.enabled), episode=self._global(episode),
+                            drawn=self._global(s.drawn))
+        out, state = loop.run(params=self.model.params, state=state, eos_ids=self.eos, tables=self.tables,
+                              key=self.key, min_idle=np.int32(min_idle), limit=np.int32(limit))
         out = out._replace(**{f: self._local(getattr(out, f)) for f in out._fields if f != "steps"})
         steps = int(out.steps)
         self.clock.decoded(time.perf_counter() - t0, steps)
@@ -203,12 +212,14 @@ class Engine:
         self.stats.decode_steps += steps
         self.stats.slot_steps += self.n_slots * steps
         self.stats.waiting_steps += len(self.waiting) * steps
-        return out, cache, logits
+        return out, self._local(state.dfa), state.cache, state.logits
 
     # -- host -------------------------------------------------------------------------
-    def _take_output(self, out) -> dict[int, tuple[Action, list[int]]]:
-        """Each live slot's new tokens; ended segments are parsed: the episode ends, or its
-        action is returned ({episode: (slot, action, pending tokens)})."""
+    def _take_output(self, out: SegmentOut, dfa: np.ndarray) -> dict[int, tuple[Action, list[int]]]:
+        """Each live slot's new tokens (out: this process's rows of a decode call, numpy;
+        dfa int32[b, A] their automata's states after it); ended segments are parsed: the
+        episode ends, or its action is returned. Returns {episode: (action, pending tokens:
+        the stopped segment's last token, or none)}."""
         s, r_max = self.slots, self.cfg.max_response_tokens
         actions = {}
         for r in np.flatnonzero(s.live):
@@ -217,7 +228,7 @@ class Engine:
             s.logps[r].extend(out.logp[r, :n].tolist())
             s.count[r] += n
             s.drawn[r] += n
-            s.dfa[r] = out.dfa[r]
+            s.dfa[r] = dfa[r]
             if not (out.stopped[r] or s.count[r] >= r_max):
                 continue
             s.live[r] = False
@@ -239,7 +250,7 @@ class Engine:
             actions[e] = (action, [s.tokens[r][-1]] if out.stopped[r] else [])
         return actions
 
-    def _tool_job(self, actions: dict[int, tuple[int, Action, list[int]]]):
+    def _tool_job(self, actions: dict[int, tuple[Action, list[int]]]):
         """Runs in the pool: the tools of one decode call's ended segments (one batched call
         per tool kind, `run_tools`). Returns (results {episode: text}, seconds)."""
         t0 = time.perf_counter()
@@ -330,11 +341,11 @@ class Engine:
         held, free = set(s.episode[s.episode >= 0].tolist()), bool((s.episode < 0).any())
         return [j for j, actions in self.jobs.items() if free or not held.isdisjoint(actions)]
 
-    def _move(self, moves, src, src_logits, dst, dst_logits, src_rows: int, dst_rows: int, n: int):
-        """Moves (local src row, local dst row) of every process in one call; src_rows /
-        dst_rows: the global row counts of the two caches (for this process's offsets)."""
-        a, b = pad_moves(moves, n, hosts.local_rows(src_rows, self.mesh).start,
-                         hosts.local_rows(dst_rows, self.mesh).start)
+    def _move(self, moves, src: KVCache, src_logits, dst: KVCache, dst_logits, n: int):
+        """Moves (local src row, local dst row) of every process in one call, padded to n
+        moves a process (this process's rows offset by its first row of each cache)."""
+        a, b = pad_moves(moves, n, hosts.local_rows(src.batch_size, self.mesh).start,
+                         hosts.local_rows(dst.batch_size, self.mesh).start)
         return move_rows(src, src_logits, dst, dst_logits, self._global(a), self._global(b))
 
     def _width(self, waiting: int, in_flight: int) -> int:
@@ -357,7 +368,7 @@ class Engine:
         narrow = self.model.init_cache(rows, self.capacity)
         narrow_logits = self._global(np.zeros((b, self.model.config.vocab_size), np.float32))
         narrow, narrow_logits = self._move(list(zip(held, range(len(held)))), cache, logits, narrow, narrow_logits,
-                                           self.n_slots, rows, self.b)
+                                           self.b)
         self.b, self.n_slots = b, rows
         self.stats.narrowings += 1
         return narrow, narrow_logits, [held.index(r) for r in new]
@@ -374,35 +385,32 @@ class Engine:
                 longest = max((len(c) for c in self.chunks.values()), default=0)
                 r_max = self.cfg.max_response_tokens
                 limit = self.clock.steps_until(self._due_jobs(), time.perf_counter(), max(1, r_max // 8), r_max)
-                # the round's decisions, agreed: [rows to refill, longest chunk, live, waiting,
-                # jobs, unparked, parked, episodes in flight, steps until a result is due, distinct prompts]
-                agreed = hosts.allgather(np.array([[len(new), longest, int(self.slots.live.sum()),
-                                                    len(self.waiting), len(self.jobs), len(unparked), len(parked),
-                                                    self.slots.in_flight(), limit,
-                                                    len(self._distinct_prompts(new))]], np.int64))
-                n_new, _, live, waiting, jobs, n_unparked, n_parked, _, _, _ = agreed.sum(axis=0)
-                longest, limit = int(agreed[:, 1].max()), int(agreed[:, 8].min())
+                agreed = Round(new=len(new), longest=longest, live=int(self.slots.live.sum()),
+                               waiting=len(self.waiting), jobs=len(self.jobs), unparked=len(unparked),
+                               parked=len(parked), in_flight=self.slots.in_flight(), limit=limit,
+                               distinct=len(self._distinct_prompts(new))).agreed()
                 t0 = time.perf_counter()
                 # unpark first: the park rows it leaves take this round's parked episodes
-                if n_unparked:
-                    cache, _ = self._move(unparked, park, None, cache, None, stats.park_slots, self.n_slots, self.p)
-                if n_parked:
-                    park, _ = self._move(parked, cache, None, park, None, self.n_slots, stats.park_slots, self.p)
-                    stats.parkings += int(n_parked)
-                b = self._width(waiting, int(agreed[:, 7].max()))
+                if agreed.unparked:
+                    cache, _ = self._move(unparked, park, None, cache, None, self.p)
+                if agreed.parked:
+                    park, _ = self._move(parked, cache, None, park, None, self.p)
+                    stats.parkings += agreed.parked
+                b = self._width(agreed.waiting, agreed.in_flight)
                 if b < self.b:
                     cache, logits, new = self._narrowed(cache, logits, b, new)
-                if n_new:
-                    cache, logits = self._prefill_prompts(cache, logits, new, int(agreed[:, 9].max()))
-                if longest:
-                    cache, logits = self._prefill_chunks(cache, logits, round_up(longest))
-                if live:
-                    idle = self.n_slots - live
-                    min_idle = idle + max(1, int(self.n_slots * REFILL)) if waiting + jobs else self.n_slots + 1
-                    out, cache, logits = self._decode(cache, logits, min_idle, limit)
+                if agreed.new:
+                    cache, logits = self._prefill_prompts(cache, logits, new, agreed.distinct)
+                if agreed.longest:
+                    cache, logits = self._prefill_chunks(cache, logits, round_up(agreed.longest))
+                if agreed.live:
+                    idle = self.n_slots - agreed.live
+                    refill = max(1, int(self.n_slots * REFILL))
+                    min_idle = idle + refill if agreed.waiting + agreed.jobs else self.n_slots + 1
+                    out, dfa, cache, logits = self._decode(cache, logits, min_idle, agreed.limit)
                     stats.seconds_device += time.perf_counter() - t0
-                    self._submit(pool, self._take_output(out))
-                elif jobs:
+                    self._submit(pool, self._take_output(out, dfa))
+                elif agreed.jobs:
                     stats.seconds_device += time.perf_counter() - t0
                     self._collect(block=True)
                 else:

@@ -1,4 +1,5 @@
-"""`generate`: batched text generation with the jitted prefill + decode loop."""
+"""`generate`: batched text generation with the jitted prefill (`prefill.py`) and the decode
+loop (`decode.DecodeLoop`), one segment per row."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -9,7 +10,8 @@ import numpy as np
 
 from car_jax import hosts
 from car_jax.models.policy import backend_policy
-from car_jax.rollout.decode import SegmentOut, decode_segment, prefill, prefill_shared
+from car_jax.rollout.decode import DecodeLoop, SegmentOut
+from car_jax.rollout.prefill import prefill, prefill_distinct
 from car_jax.rollout.sampling import Sampler
 from car_jax.rollout.stops import stop_tables
 
@@ -31,7 +33,7 @@ def length_bucket(n: int, smallest: int = 64) -> int:
 
 def decode_windows(index: int, max_steps: int, capacity: int, stages: int | None = None) -> tuple[int, ...]:
     """The slot windows of a decode segment of `max_steps` tokens that starts at slot
-    `index` (`decode_segment`'s `windows`): the `length_bucket` sizes its tokens pass
+    `index` (`DecodeLoop.windows`): the `length_bucket` sizes its tokens pass
     through (few shapes compile), capped at the capacity, at most the last `stages` of
     them (default: the `decode_stages` of the backend's execution policy,
     `policy.backend_policy()`); each is one more loop to compile. The segment then
@@ -92,8 +94,8 @@ def prefill_prompts(model, prompt_ids: Sequence[Sequence[int]], extra: int, pad_
     inverse = np.array([ids.setdefault(tuple(p), len(ids)) for p in prompt_ids], np.int32)
     if model.mesh is None and len(ids) < len(prompt_ids):
         tokens, valid = left_pad(list(ids), width, pad_id)
-        logits, cache = prefill_shared(model.module, model.params, cache, jnp.asarray(tokens), jnp.asarray(valid),
-                                       jnp.asarray(inverse))
+        logits, cache = prefill_distinct(model.module, params=model.params, cache=cache, tokens=jnp.asarray(tokens),
+                                         valid=jnp.asarray(valid), inverse=jnp.asarray(inverse))
     else:
         tokens, valid = left_pad(prompt_ids, width, pad_id)
         logits, cache = prefill(model.module, model.params, cache, hosts.to_global(tokens, model.mesh),
@@ -116,10 +118,12 @@ def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_n
     eos = eos_ids(model, tokenizer) if eos is None else eos
     active = hosts.to_global(np.array([len(p) > 0 for p in prompt_ids]), model.mesh)
     stages = model.module.policy.decode_stages if stages is None else stages
-    out, _ = decode_segment(model.module, sampler, max_new_tokens, model.params, cache, logits,
-                            active, jnp.asarray(eos), tables, jax.random.key(seed),
-                            windows=decode_windows(int(cache.index), max_new_tokens, cache.capacity, stages))
-    return SegmentOut(*(hosts.fetch_local(x, model.mesh) for x in out))
+    loop = DecodeLoop(module=model.module, sampler=sampler, max_steps=max_new_tokens,
+                      windows=decode_windows(int(cache.index), max_new_tokens, cache.capacity, stages))
+    out, _ = loop.segment(params=model.params, cache=cache, logits=logits, live=active, eos_ids=jnp.asarray(eos),
+                          tables=tables, key=jax.random.key(seed))
+    return out._replace(**{f: hosts.fetch_local(getattr(out, f), model.mesh) for f in out._fields if f != "steps"},
+                        steps=np.asarray(out.steps))
 
 
 def generate(model, tokenizer, prompts: Sequence, *, max_new_tokens: int, temperature: float = 0.0,

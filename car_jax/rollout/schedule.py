@@ -1,5 +1,6 @@
 """The host side of the engine's slots (`engine.py`): which episode each decode row and
-each park row holds, and the round's moves between them (numpy only, no device work).
+each park row holds, the round's moves between them (numpy only, no device work), and the
+round's decisions that the processes agree on (`Round`).
 
     decode rows (b): free | decoding a segment | holding an episode whose tool is out
     park rows (p):   free | holding an episode whose tool is out (its KV rows moved here)
@@ -11,7 +12,11 @@ the next free decode row again (before fresh episodes: the started ones finish f
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
+
+from car_jax import hosts
 
 
 class Rows:
@@ -130,3 +135,28 @@ class Clock:
             return floor
         due = min(self.started[j] for j in jobs) + self.job_s - now
         return int(min(most, max(floor, -(-due // self.step_s))))
+
+
+class Round(NamedTuple):
+    """What one round of the engine's loop decides from what each process knows locally;
+    `agreed()` makes every process's view the same (one allgather), so every process makes
+    the same device calls. Each field says how the processes' values combine."""
+    new: int  # rows refilled with a fresh episode (summed)
+    longest: int  # the longest chunk (pending token + observation) to prefill (the largest)
+    live: int  # decode rows decoding (summed)
+    waiting: int  # episodes waiting for a decode row (summed)
+    jobs: int  # tool jobs out (summed)
+    unparked: int  # episodes moved from the park to decode rows (summed)
+    parked: int  # episodes moved from decode rows to the park (summed)
+    in_flight: int  # episodes holding a decode or park row (the largest)
+    limit: int  # decode steps until a result that a row waits for is due (the smallest)
+    distinct: int  # distinct prompts of the refilled rows (the largest)
+
+    def agreed(self) -> "Round":
+        """This round as every process sees it, each field combined over the processes."""
+        gathered = hosts.allgather(np.array([self], np.int64))  # [processes, fields]
+        return Round(**{name: int(_COMBINE[name](column)) for name, column in zip(self._fields, gathered.T)})
+
+
+_COMBINE = dict(new=np.sum, longest=np.max, live=np.sum, waiting=np.sum, jobs=np.sum, unparked=np.sum, parked=np.sum,
+                in_flight=np.max, limit=np.min, distinct=np.max)

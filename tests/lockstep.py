@@ -1,7 +1,9 @@
-"""The lockstep episode runner: every episode at once, turn by turn, one RNG stream for the
-batch. The episode loop before the engine (`engine.py`), kept as the reference it is
-measured and tested against: greedy episodes are the same, and `benchmarks/rollout_engine.py`
-times both. Training and eval run the engine (`episode.run_episodes`).
+"""The lockstep episode runner: every episode at once, turn by turn, each turn one segment
+of the decode loop (`DecodeLoop.segment`, a turn's key for the batch). The episode loop
+before the engine (`car_jax/rollout/engine.py`), kept beside the tests as the reference
+the engine is tested against (tests/test_engine.py: greedy episodes are the same) and
+measured against (`benchmarks/rollout_engine.py`). Training and eval run the engine
+(`episode.run_episodes`); nothing in the package imports this file.
 
     prefill(prompts) -> [decode segment (device) -> parse actions, call tools,
     tokenize observations (host) -> prefill(pending token + observation)] x turns
@@ -19,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax import hosts
-from car_jax.rollout.decode import decode_segment, prefill
+from car_jax.rollout.decode import DecodeLoop
 from car_jax.rollout.generate import decode_windows, eos_ids, left_pad, prefill_prompts, prompt_texts, round_up
+from car_jax.rollout.prefill import prefill
 from car_jax.rollout.protocols import ANSWER, VOID, Action, SearchR1
 from car_jax.rollout.stops import stop_tables
 from car_jax.rollout.tool_calls import Tool, run_tools
@@ -60,10 +63,13 @@ def run_lockstep(model, tokenizer, prompts: Sequence, tools: dict[str, Tool], *,
         key, sub = jax.random.split(key)
         # attend over the slots this turn can reach, not the whole episode's cache
         windows = decode_windows(int(cache.index), config.max_response_tokens, cache.capacity)
-        out, cache = decode_segment(model.module, config.sampler, config.max_response_tokens, model.params,
-                                    cache, logits, hosts.to_global(active, model.mesh),
-                                    eos, final_tables if final else tables, sub, windows=windows)
-        out = jax.tree.map(lambda x: hosts.fetch_local(x, model.mesh), out)  # this process's rows
+        loop = DecodeLoop(module=model.module, sampler=config.sampler, max_steps=config.max_response_tokens,
+                          windows=windows)
+        out, cache = loop.segment(params=model.params, cache=cache, logits=logits,
+                                  live=hosts.to_global(active, model.mesh), eos_ids=eos,
+                                  tables=final_tables if final else tables, key=sub)
+        out = out._replace(**{f: hosts.fetch_local(getattr(out, f), model.mesh)  # this process's rows
+                              for f in out._fields if f != "steps"})
         stats.seconds_device += time.perf_counter() - t0
         steps = hosts.global_max(int(out.length.max()))  # the loop ran to the longest row
         stats.decode_steps += steps

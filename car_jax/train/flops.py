@@ -33,7 +33,9 @@ A GRPO step (`step_flops`), from the arrays the trainer holds:
 
 MFU (PaLM's definition) = model FLOPs per second per device / the chip's peak
 (`CHIPS`: dense bf16 FLOP/s, from the vendors' spec pages). A device kind not in the
-table (a CPU) has no peak: MFU is NaN.
+table (a CPU) has no peak: MFU is NaN. The table also holds each chip's HBM bandwidth, the
+bound of a decode step (which reads every weight and the KV cache once per token), for
+the fraction of it a decode loop reaches (benchmarks/gpu_check.py).
 """
 from __future__ import annotations
 
@@ -50,27 +52,28 @@ class Chip:
     name: str
     peak_bf16_flops: float  # dense (no sparsity) bf16 matmul FLOP/s of one chip
     hbm_bytes: float  # memory of one chip
+    hbm_bytes_per_s: float  # peak HBM bandwidth of one chip (the vendor's figure)
 
 
 # `jax.devices()[0].device_kind` -> the chip; a kind is matched by the first entry whose
 # key it contains (lowercased), so the more specific keys come first.
 CHIPS: dict[str, Chip] = {
-    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM2 per chip; kind "TPU v5 lite"
-    "tpu v5 lite": Chip("v5e", 197e12, 16 * 2**30),
-    "tpu v5e": Chip("v5e", 197e12, 16 * 2**30),
-    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e per chip; kind "TPU v5p" (or "TPU v5")
-    "tpu v5": Chip("v5p", 459e12, 95 * 2**30),
-    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM per chip; kind "TPU v6 lite"
-    "tpu v6": Chip("v6e", 918e12, 32 * 2**30),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GB/s per chip; kind "TPU v5 lite"
+    "tpu v5 lite": Chip("v5e", 197e12, 16 * 2**30, 819e9),
+    "tpu v5e": Chip("v5e", 197e12, 16 * 2**30, 819e9),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s per chip; kind "TPU v5p" (or "TPU v5")
+    "tpu v5": Chip("v5p", 459e12, 95 * 2**30, 2765e9),
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM at 1,640 GB/s per chip; kind "TPU v6 lite"
+    "tpu v6": Chip("v6e", 918e12, 32 * 2**30, 1640e9),
     # nvidia.com/en-us/data-center/h100 (datasheet): H100 SXM 989 TFLOP/s bf16 dense (1,979
-    # with sparsity), 80 GB; H100 PCIe 756 TFLOP/s dense, 80 GB
-    "h100 pcie": Chip("h100-pcie", 756e12, 80e9),
-    "h100 nvl": Chip("h100-nvl", 835e12, 94e9),  # the same datasheet: 835 TFLOP/s dense, 94 GB
-    "h100": Chip("h100", 989e12, 80e9),
+    # with sparsity), 80 GB at 3.35 TB/s; H100 PCIe 756 TFLOP/s dense, 80 GB at 2.0 TB/s
+    "h100 pcie": Chip("h100-pcie", 756e12, 80e9, 2.0e12),
+    "h100 nvl": Chip("h100-nvl", 835e12, 94e9, 3.9e12),  # the same datasheet: 835 TFLOP/s dense, 94 GB, 3.9 TB/s
+    "h100": Chip("h100", 989e12, 80e9, 3.35e12),
     # nvidia.com/en-us/data-center/h200 (datasheet): H200 SXM 989 TFLOP/s bf16 dense (1,979
-    # with sparsity), 141 GB; H200 NVL 835 TFLOP/s dense
-    "h200 nvl": Chip("h200-nvl", 835e12, 141e9),
-    "h200": Chip("h200", 989e12, 141e9),
+    # with sparsity), 141 GB at 4.8 TB/s; H200 NVL 835 TFLOP/s dense, 4.8 TB/s
+    "h200 nvl": Chip("h200-nvl", 835e12, 141e9, 4.8e12),
+    "h200": Chip("h200", 989e12, 141e9, 4.8e12),
 }
 
 

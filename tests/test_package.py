@@ -10,9 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "car_jax"
 POLICY_MODULE = "car_jax.models.policy"  # the one place that asks which backend runs
-# imported where used: a user-facing extra's package (tfds), and bm25s, whose import runs a JAX
-# computation (it would start the backend before a multi-process run's jax.distributed.initialize)
-EXTRA_MODULES = {"tensorflow_datasets", "bm25s"}
+# imported where used: a user-facing extra's package (tfds, wandb), and bm25s, whose import runs a
+# JAX computation (it would start the backend before a multi-process run's jax.distributed.initialize)
+EXTRA_MODULES = {"tensorflow_datasets", "wandb", "bm25s"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -144,3 +144,19 @@ def test_imports_sit_at_the_top_outside_cli():
                 if not all(n.split(".")[0] in EXTRA_MODULES for n in names):
                     local.append(f"{name}:{node.lineno}")
     assert not local, f"function-local imports outside car_jax/cli/: {local}"
+
+
+def test_dir_lists_the_lazy_exports_before_they_load():
+    """`dir(car_jax)` (and tab completion) shows the public names that `__getattr__` loads on
+    first use; `__all__` lists every one of them."""
+    code = ("import car_jax\n"
+            "print(sorted(set(car_jax._EXPORTS) - set(car_jax.__all__)))\n"
+            "print(sorted(set(car_jax.__all__) - set(vars(car_jax))))\n"
+            "print(sorted(set(car_jax.__all__) - set(dir(car_jax))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    not_in_all, unloaded, not_in_dir = out.stdout.strip().splitlines()
+    assert not_in_all == "[]"
+    assert "'load_model'" in unloaded  # lazy: not in the module's namespace yet ...
+    assert not_in_dir == "[]"  # ... but dir() shows it

@@ -152,6 +152,8 @@ def test_cli_json_has_the_keys(capsys):
 def test_shipped_config_found_by_hub_id_and_placeholder_name():
     hub = model_config("Qwen/Qwen2.5-3B-Instruct")
     assert hub == model_config("/path/to/Qwen2.5-3B-Instruct")
+    assert hub == model_config("Qwen/Qwen2.5-3B-Instruct@main")  # model.path's hub form with a revision
+    assert model_config("Qwen/Qwen3-8B@refs/pr/1") != hub
     assert (hub.d_model, hub.n_layers, hub.n_heads, hub.n_kv_heads, hub.tie_embeddings) == (2048, 36, 16, 2, True)
 
 
@@ -225,3 +227,30 @@ def test_table_errors_name_the_bad_value(tmp_path, capsys):
     assert main(["plan", "--table", str(tmp_path)]) == 2 and "no .yaml configs there" in capsys.readouterr().err
     (tmp_path / "tiny_v5e-1.yaml").write_text("mesh:\n  fsdp: -1\n")
     assert main(["plan", "--table", str(tmp_path)]) == 2 and "names its mesh sizes" in capsys.readouterr().err
+
+
+def test_chip_named_in_a_config_file_name():
+    from car_jax.plan.fit import chip_in_name
+
+    assert chip_in_name("configs/fit/qwen2.5-7b_h100-8.yaml") == "h100"
+    assert chip_in_name("configs/qwen2.5-32b_car_mscr_v5p128.yaml") == "v5p"
+    assert chip_in_name("my_h100-pcie-8.yaml") == "h100-pcie"
+    assert chip_in_name("configs/qwen2.5-3b_car_mscr.yaml") is None and chip_in_name("tiny_test.yaml") is None
+
+
+def test_cli_without_chip_reads_the_config_name_else_says_what_it_assumes(capsys):
+    """No --chip: an H100 config is planned on an H100 (not on the v5p default), said in one
+    line on stderr; a config whose file name names no chip gets v5p, said likewise; --chip
+    given: nothing on stderr."""
+    assert main(["plan", "--config", "configs/fit/qwen2.5-7b_h100-8.yaml", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert (json.loads(out)["chip"], json.loads(out)["hbm_bytes"]) == ("h100", 80e9)
+    assert err.count("\n") == 1 and err.startswith("car-jax plan: chip h100, named by the config's file name")
+    args = ["plan", "--config", "configs/qwen2.5-3b_car_mscr.yaml", "--mesh", "fsdp=4", "--json"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert (json.loads(out)["chip"], json.loads(out)["hbm_bytes"]) == ("v5p", 95 * 2**30)
+    assert err.count("\n") == 1 and "no --chip given" in err and "assuming v5p" in err
+    assert main([*args, "--chip", "h200"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["chip"] == "h200" and err == ""

@@ -1,5 +1,6 @@
 """`car-jax build-index` and `car-jax serve-retriever` end to end."""
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -67,3 +68,26 @@ def test_serve_retriever_command(tmp_path):
         out = proc.communicate(timeout=30)[0].decode()
     assert proc.returncode == 0, out
     assert f"at http://127.0.0.1:{port}/retrieve" in out
+    assert "faiss.loader" not in out, out  # start-up noise (`test_serve_retriever_start_quiets_library_logs`)
+
+
+def test_serve_retriever_start_quiets_library_logs():
+    """serve-retriever logs at INFO; faiss's loader and jax's backend probe (libtpu missing)
+    log at INFO when imported: `setup_logging` keeps them at WARNING and car_jax at INFO. The
+    same imports under a plain INFO setup show the noise (so the check can fail)."""
+    body = ("import faiss, jax\n"
+            "jax.devices()\n"
+            "logging.getLogger('car_jax.tools.server').info('car_jax line kept')\n")
+    setups = {"plain": "import logging\nlogging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n",
+              "quiet": "import logging\nfrom car_jax.cli.tools import setup_logging\nsetup_logging()\n"}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # jax probes its plugins as a user's does
+    logs = {}
+    for name, setup in setups.items():
+        out = subprocess.run([sys.executable, "-c", setup + body], capture_output=True, text=True, timeout=300,
+                             env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        logs[name] = out.stderr
+    assert "faiss.loader" in logs["plain"]  # the noise this fixes
+    noisy = [line for line in logs["quiet"].splitlines() if "faiss" in line or "xla_bridge" in line]
+    assert noisy == [], logs["quiet"]
+    assert "car_jax.tools.server: car_jax line kept" in logs["quiet"]

@@ -58,7 +58,7 @@ def test_jsonl_round_trip_and_tensorboard(tmp_path):
 
 
 def test_lines_are_flushed_before_close(tmp_path):
-    log = MetricsLogger(tmp_path, tensorboard=False)
+    log = MetricsLogger(tmp_path, loggers=())
     log.log(7, {"loss": 1.0})
     assert read_metrics(tmp_path) == [{"step": 7, "time": pytest.approx(time.time(), abs=60),
                                        "loss": 1.0}]
@@ -67,7 +67,7 @@ def test_lines_are_flushed_before_close(tmp_path):
 
 
 def test_resume_appends_and_repairs_truncated_line(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as log:
+    with MetricsLogger(tmp_path, loggers=()) as log:
         for s in range(1, 5):
             log.log(s, {"loss": float(s)})
     path = tmp_path / METRICS_FILE
@@ -76,13 +76,13 @@ def test_resume_appends_and_repairs_truncated_line(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
     # resume from a checkpoint at step 2: lines 3, 4 and the partial line go away
     with pytest.warns(UserWarning, match="partial last line"):
-        log = MetricsLogger(tmp_path, tensorboard=False, truncate_after=2)
+        log = MetricsLogger(tmp_path, loggers=(), truncate_after=2)
     with log:
         log.log(3, {"loss": 30.0})
     recs = read_metrics(tmp_path)
     assert [(r["step"], r["loss"]) for r in recs] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     # plain resume keeps everything and appends
-    with MetricsLogger(tmp_path, tensorboard=False) as log:
+    with MetricsLogger(tmp_path, loggers=()) as log:
         log.log(4, {"loss": 40.0})
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
@@ -93,7 +93,7 @@ def test_bad_lines_and_values(tmp_path):
         read_metrics(tmp_path)
     with pytest.raises(FileNotFoundError, match="no metrics file"):
         read_metrics(tmp_path / "missing")
-    with MetricsLogger(tmp_path / "r", tensorboard=False) as log:
+    with MetricsLogger(tmp_path / "r", loggers=()) as log:
         with pytest.raises(ValueError, match=r"'loss' has shape \(3,\)"):
             log.log(1, {"loss": np.zeros(3)})
         with pytest.raises(ValueError, match="'step' is reserved"):
@@ -103,7 +103,7 @@ def test_bad_lines_and_values(tmp_path):
 
 
 def test_progress_bar_tracks_steps(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False, total_steps=10, initial_step=4,
+    with MetricsLogger(tmp_path, loggers=(), total_steps=10, initial_step=4,
                        show=("reward", "missing")) as log:
         log.log(5, {"reward": 0.123456, "kl": 1.0})
         log.log(7, {"reward": 0.5})

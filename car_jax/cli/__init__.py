@@ -6,7 +6,11 @@ A bad config (`car_jax.config.ConfigError`: an unknown key, a wrong type, a valu
 range, a missing --config file, more mesh devices than there are, an incomplete
 multi-process environment: `car_jax/cli/distributed.py`) ends any command with
 one line on stderr, `car-jax train: error: rl.steps: -3 must be >= 1 ...`, and exit
-status 2, as argparse does for bad arguments. Configs are checked before any model loads."""
+status 2, as argparse does for bad arguments; so does a missing offline asset package
+(`car_jax.assets.MissingAssetError`, naming `car-jax assets`). Configs are checked before
+any model loads. `--config configs/X.yaml` that names no file where the command runs reads
+the copy shipped inside the package (`car_jax.assets.resolve_config`), so the README's
+commands work from a pip install too."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +18,7 @@ import importlib
 import os
 import sys
 
+from car_jax.assets import MissingAssetError
 from car_jax.cli.distributed import maybe_init_distributed
 from car_jax.config import ConfigError, load_config
 
@@ -28,6 +33,7 @@ COMMAND_MODULES = (
     "car_jax.cli.plan",  # plan
     "car_jax.cli.experiment",  # experiment
     "car_jax.cli.control",  # control
+    "car_jax.cli.assets",  # assets
 )
 
 
@@ -53,17 +59,37 @@ def add_config_args(parser: argparse.ArgumentParser, what: str, example: str) ->
     parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
 
 
+def config_path(args) -> str | None:
+    """--config as given, or the shipped copy it names when no such file exists here
+    (`configs/qwen2.5-3b_car_mscr.yaml` outside a clone); None without --config."""
+    from car_jax.assets import resolve_config
+    return resolve_config(args.config) if args.config is not None else None
+
+
 def load_config_args(cls, args):
-    """`config.load_config(cls, args.config, args.overrides)`; a bad file or key raises
+    """`config.load_config(cls, config_path(args), args.overrides)`; a bad file or key raises
     ConfigError (a missing --config file too), which `main` prints as one line naming it."""
     try:
-        return load_config(cls, args.config, args.overrides)
+        return load_config(cls, config_path(args), args.overrides)
     except FileNotFoundError as err:
         raise ConfigError(f"--config: {err}") from None
 
 
+def package_version() -> str:
+    """The installed car_jax's version (its distribution metadata); the source's
+    `car_jax.__version__` when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("car_jax")
+    except PackageNotFoundError:
+        import car_jax
+        return car_jax.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="car-jax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=package_version(),
+                        help="print the installed car_jax version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         try:
@@ -79,10 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        maybe_init_distributed()  # several processes: joined before anything touches a device
-        enable_compilation_cache()
+        if getattr(args, "starts_jax", True):  # `car-jax assets` only runs pip
+            maybe_init_distributed()  # several processes: joined before anything touches a device
+            enable_compilation_cache()
         return int(args.func(args) or 0)
-    except ConfigError as err:
+    except (ConfigError, MissingAssetError) as err:
         message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
         print(f"car-jax {args.command}: error: {message}", file=sys.stderr)
         return 2

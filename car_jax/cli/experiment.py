@@ -57,11 +57,12 @@ def _check_folder(cfg) -> None:
 def _load(args):
     """The experiment config of --config and the overrides; a folder's saved experiment.yaml
     keeps the meaning it had when its runs were made (`config.load_experiment`)."""
+    from car_jax.cli import config_path
     from car_jax.config import ConfigError
     from car_jax.experiment.config import load_experiment
 
     try:
-        return load_experiment(args.config, args.overrides)
+        return load_experiment(config_path(args), args.overrides)
     except FileNotFoundError as err:
         raise ConfigError(f"--config: {err}") from None
 

@@ -29,11 +29,15 @@ DEFAULT_PROMPT = "In one sentence: why should an AI agent say how confident it i
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="the main job on the embedded default model (train + evaluate CAR)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--out", default="runs/default", help="run folder")
-    p.add_argument("--eval-questions", type=_at_least(1), default=8)
-    p.add_argument("--sft-steps", type=_at_least(0), default=8)
-    p.add_argument("--rl-steps", type=_at_least(1), default=2)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the chat prompt of step 1 (default: a question about "
+                   "stating confidence)")
+    p.add_argument("--out", default="runs/default", help="run folder: training, both evaluations and the control "
+                   "(default runs/default)")
+    p.add_argument("--eval-questions", type=_at_least(1), default=8,
+                   help="world dev questions each evaluation answers (steps 2 and 4; default 8)")
+    p.add_argument("--sft-steps", type=_at_least(0), default=8,
+                   help="SFT warm-start steps on world demonstrations before GRPO (default 8; 0: none)")
+    p.add_argument("--rl-steps", type=_at_least(1), default=2, help="GRPO steps with the MSCR reward (default 2)")
     p.add_argument("--chat-only", action="store_true", help="stop after the chat answer")
     p.add_argument("--control", action="store_true", help="also run the positive control's quick version "
                    "(step 5, about 9 minutes on two cores)")

@@ -94,11 +94,25 @@ def _load(args):
         "backend": "dense", "num_docs": len(store)}
 
 
+# libraries whose INFO records are start-up noise at serve-retriever's INFO level: faiss's
+# loader ("Loading faiss with AVX2 support", "Could not load library with AVX2 support ...")
+# and jax's backend probe ("Unable to initialize backend 'tpu': ... libtpu.so ..."); kept at
+# WARNING, as car_jax.tools.bm25 keeps bm25s
+QUIET_LOGGERS = ("faiss", "jax._src.xla_bridge")
+
+
+def setup_logging() -> None:
+    """serve-retriever's logging: INFO lines with time and logger name, QUIET_LOGGERS at WARNING."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def serve_retriever_command(args) -> int:
     from car_jax.tools.noise import NoiseConfig, NoisyRetriever
     from car_jax.tools.server import RetrievalServer, ServerLimits
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    setup_logging()
     retriever, info = _load(args)
     if hasattr(retriever, "encoder"):
         retriever.encoder.warmup()  # compile query shapes before the first request

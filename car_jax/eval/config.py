@@ -6,6 +6,7 @@ training's `rollout` section, greedy by default here), the tools are `ToolsConfi
 default, `mesh.devices=0` for all of them, which a run on several processes needs).
 
     car-jax eval model.path=runs/car/hf data.path=world data.split=dev mode=search
+    car-jax eval model.path=Qwen/Qwen2.5-3B-Instruct ...   # a hub id, fetched into the HF cache
     car-jax eval data.path=simpleqa_verified.csv tools.retriever=http://127.0.0.1:8000/retrieve
     car-jax eval mesh.devices=0 ...   # every device (of every process: jax.distributed)
     car-jax eval samples=4 ...        # also 4 sampled episodes per question (T = 1, top_p 0.95)
@@ -31,9 +32,11 @@ from car_jax.train.config import MeshConfig, split_of
 class EvalModelConfig:
     """The model to evaluate."""
     # HF folder, .gguf file or car_jax params folder; "" = the embedded SmolLM2-135M-Instruct;
-    # "builtin:tiny-random" = the positive control's 2-layer random model
+    # "builtin:tiny-random" = the positive control's 2-layer random model; a hub id, e.g.
+    # model.path=Qwen/Qwen2.5-3B-Instruct (or ...@REVISION: branch, tag, commit), is downloaded once
+    # into the HF cache (HF_HUB_OFFLINE=1: cache only); a local path wins (`checkpoints.hub`)
     path: str = ""
-    tokenizer: str = ""  # tokenizer folder or .gguf; "" = model.path
+    tokenizer: str = ""  # tokenizer folder, .gguf or hub id; "" = model.path
     dtype: str = "float32"  # compute dtype (float32, bfloat16)
 
     def __post_init__(self):

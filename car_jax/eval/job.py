@@ -9,7 +9,7 @@ from pathlib import Path
 
 import car_jax
 from car_jax import hosts
-from car_jax.checkpoints.embedded import model_dir
+from car_jax.checkpoints.hub import is_hub_id, resolve_model_path
 from car_jax.checkpoints.safetensors_io import CheckpointError
 from car_jax.checkpoints.sources import check_model_path
 from car_jax.data import DatasetError, load_dataset
@@ -24,17 +24,22 @@ class EvalSetupError(ValueError):
 
 
 def load_eval_model(cfg: EvalModelConfig, mesh=None):
-    """(model, tokenizer, model path) for `cfg` ("" path: the embedded SmolLM2), on `mesh`
-    (`MeshConfig.build()`; None: one device) with the sampling sharding table (weights
-    split over tp only, so a decode step gathers no weights)."""
-    model_path = model_dir(cfg.path)
-    if not model_path.exists():
-        raise EvalSetupError(f"model.path={str(model_path)!r}: no such file or folder")
+    """(model, tokenizer, model path) for `cfg` ("" path: the embedded SmolLM2; a hub id is
+    fetched into the HF cache, `checkpoints.hub`), on `mesh` (`MeshConfig.build()`; None: one
+    device) with the sampling sharding table (weights split over tp only, so a decode step
+    gathers no weights). The model path returned is the local file or folder."""
+    try:
+        model_path = resolve_model_path(cfg.path)
+    except CheckpointError as err:
+        raise EvalSetupError(f"model.path={err}") from None
     try:
         check_model_path(model_path)  # a folder without a model is said so, not blamed on its tokenizer
     except CheckpointError as err:
         raise EvalSetupError(f"model.path: {err}") from None
-    tok_path = Path(cfg.tokenizer) if cfg.tokenizer else model_path
+    try:
+        tok_path = resolve_model_path(cfg.tokenizer) if cfg.tokenizer else model_path
+    except CheckpointError as err:
+        raise EvalSetupError(f"model.tokenizer={err}") from None
     try:
         tokenizer = car_jax.load_tokenizer(tok_path)
     except (OSError, ValueError) as err:
@@ -90,6 +95,8 @@ def run_eval(cfg: EvalConfig, *, label: str | None = None, progress: bool = True
         raise EvalSetupError(f"output.dir: {samples} already holds samples; pass output.resume=true to continue "
                              f"that run, or choose another output.dir")
     model, tokenizer, model_path = load_eval_model(cfg.model, mesh)
+    if is_hub_id(cfg.model.path):  # the summary names the hub id, not the snapshot folder it resolved to
+        model_path = cfg.model.path
     with open_tools(get_mode(cfg.mode).tool, cfg.tools) as box:
         log(f"eval: {len(examples)} examples of {data}, mode {cfg.mode}, model {model_path}, tool {box.label}, "
             f"out {out}")

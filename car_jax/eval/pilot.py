@@ -50,7 +50,8 @@ from car_jax.config import require
 from car_jax.data import load_dataset
 from car_jax.eval.config import EvalConfig, EvalDataConfig, EvalModelConfig, OutputConfig
 from car_jax.eval.job import run_eval
-from car_jax.eval.runner import EVAL_EPISODE, SAMPLES_FILE, read_samples, summarize
+from car_jax.eval.runner import (EVAL_EPISODE, FALLBACK_MARK, FALLBACK_NOTE, SAMPLES_FILE, is_fallback,
+                                 read_samples, summarize)
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
 from car_jax.train.config import MeshConfig
@@ -273,11 +274,11 @@ def _nulls(x):
     return x
 
 
-def _fmt(v, ci=None) -> str:
+def _fmt(v, ci=None, mark: bool = False) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "n/a"
     lo, hi = ci or (None, None)
-    return f"{v:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "")
+    return f"{v:.3f}{FALLBACK_MARK * mark}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "")
 
 
 def groups(cells: dict) -> dict[str, dict]:
@@ -294,16 +295,19 @@ def groups(cells: dict) -> dict[str, dict]:
 
 def format_pilot(result: dict) -> str:
     """The cells (and the mixed kind's parts) as a table (metric [95% interval]) and the Welch
-    tests below it."""
+    tests below it. A cell whose format-valid rate is below `runner.FALLBACK_BELOW` has its
+    metrics marked, with `runner.FALLBACK_NOTE` under the table."""
     head = ["tool", "setting", "n", *(m.upper() if m != "accuracy" else m for m in METRICS[:4]), "format", "tool calls"]
-    body = [[kind, setting, str(c["n"]), *(_fmt(c[m], c["ci95"][m]) for m in METRICS[:4]),
-             _fmt(c.get("format_rate")), _fmt(c.get("mean_tool_calls"))]
-            for kind, settings in groups(result["cells"]).items() for setting, c in settings.items()]
+    cells = [(kind, setting, c) for kind, settings in groups(result["cells"]).items()
+             for setting, c in settings.items()]
+    body = [[kind, setting, str(c["n"]),
+             *(_fmt(c[m], c["ci95"][m], is_fallback(c.get("format_rate"))) for m in METRICS[:4]),
+             _fmt(c.get("format_rate")), _fmt(c.get("mean_tool_calls"))] for kind, setting, c in cells]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
     lines = [line(head), line(["-" * w for w in widths]), *map(line, body), "",
-             "format: the share of episodes that end in a well-formed answer with its confidence; where it is",
-             "near 0 the cell's metrics are those of the fallback (no answer, confidence 0), not the policy's.", "",
+             "format: the share of episodes that end in a well-formed answer with its confidence.",
+             *[FALLBACK_NOTE] * any(is_fallback(c.get("format_rate")) for _, _, c in cells), "",
              "Welch t-tests (two-sided; a vs b: mean of a - mean of b):"]
     for t in result["tests"]:
         lines.append(f"  {t['kind']:<12} {t['a']:>6} vs {t['b']:<6} {t['quantity']:<16} "

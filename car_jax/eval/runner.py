@@ -47,6 +47,12 @@ Three confidences are scored, each with ECE, AUROC, Brier and the rest of
   pools the k x N episodes, without bootstrap intervals (the k episodes of a question are
   not the independent draws `metrics.bootstrap_ci` resamples).
 
+The tables (`format_table`, `compare_table`; `pilot.format_pilot` and the experiment's
+RESULTS.md use the same rule) mark the metrics of a column whose format-valid rate is below
+FALLBACK_BELOW = 0.5 with FALLBACK_MARK and print FALLBACK_NOTE under the table: such a
+column mostly scores the fallbacks above (no answer: wrong; no confidence: q = 0). Its
+"mean model turns" (`Trajectory.n_turns`, at most max_turns + 1) is defined under it too.
+
 A batch's episodes run in the episode engine (`car_jax.rollout.engine`), as training's do:
 at most `episode.max_concurrent` of them at once (0: the whole batch), tools overlapping
 decoding; `summary.json`'s run section has its slot utilisation.
@@ -288,47 +294,91 @@ def _subset(rows: list[dict]) -> dict:
             "format_rate": float(np.mean([r["format_ok"] for r in rows]))}
 
 
-def _cell(section: dict, key: str) -> str:
-    """A value with its 95% interval when the section has one; n/a when undefined."""
+# ---------------------------------------------------------------- tables
+# A column (a policy, a split, a section) whose format-valid rate is below FALLBACK_BELOW
+# scores mostly the fallbacks of `score` (no answer: wrong; no confidence: q = 0): the
+# tables mark its metrics with FALLBACK_MARK and print FALLBACK_NOTE under them.
+FALLBACK_BELOW = 0.5
+FALLBACK_MARK = "*"
+FALLBACK_NOTE = (f"{FALLBACK_MARK} format valid below {FALLBACK_BELOW:g}: mostly fallback values, not the model's "
+                 "calibration. Each response is scored as written: without an <answer> (math: nor a \\boxed{}) it "
+                 "counts as wrong, without a parseable <confidence> (a number in 0..100) as q = 0, and wrong at q = 0 "
+                 "scores ECE and Brier 0.")
+FALLBACK_KEYS = ("accuracy", "ece", "mcip", "auroc", "brier", "mean_confidence")  # the metrics the mark goes on
+
+
+def is_fallback(format_rate: float | None) -> bool:
+    """Whether a column with this format-valid rate shows fallback values (None, NaN: unknown, no)."""
+    return format_rate is not None and not math.isnan(format_rate) and format_rate < FALLBACK_BELOW
+
+
+def turns_note(summary: dict) -> str:
+    """The one-line definition of the table's "mean model turns" (`Trajectory.n_turns`)."""
+    max_turns = ((summary.get("run") or {}).get("episode") or {}).get("max_turns")
+    bound = "max_turns + 1" if max_turns is None else f"max_turns + 1 = {max_turns + 1}"
+    return ("model turns: the segments the model wrote per episode, one per tool call or invalid action, then the "
+            f"last (its answer, or the answer-only turn once max_turns are used); at most {bound}")
+
+
+def _cell(section: dict, key: str, mark: bool = False) -> str:
+    """A value with its 95% interval when the section has one; n/a when undefined;
+    FALLBACK_MARK after the value when `mark`."""
     v, ci = section.get(key), section.get("ci95", {}).get(key)
     if v is None:
         return "n/a"
-    return f"{v:.3f}" + (f"  [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci else "")
+    return f"{v:.3f}{FALLBACK_MARK * mark}" + (f"  [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci else "")
 
 
 CONFIDENCE_ROWS = (("ECE", "ece"), ("AUROC", "auroc"), ("Brier", "brier"), ("mean confidence", "mean_confidence"))
 
 
 def _section_rows(summary: dict) -> list[tuple[str, str]]:
-    """The table's rows for the expected and the sampled confidence, where the summary has them."""
+    """The table's rows for the expected and the sampled confidence, where the summary has
+    them; the expected rows marked as the greedy episodes' (theirs are the tags it reads),
+    the sampled rows by the sampled episodes' own format-valid rate."""
     rows = []
     if (e := summary.get("expected")) is not None:
+        mark = is_fallback(summary.get("format_rate"))
         rows.append((f"expected q at the tag (tag in {e['tag_rate']:.3f})", ""))
-        rows += [(f"  {label}", _cell(e, key)) for label, key in CONFIDENCE_ROWS]
+        rows += [(f"  {label}", _cell(e, key, mark)) for label, key in CONFIDENCE_ROWS]
     if (s := summary.get("sampled")) is not None:
+        mark = is_fallback(s.get("format_rate"))
         rows.append((f"sampled episodes (k={s['k']}, {s['episodes']} in all)", ""))
-        rows += [(f"  {label}", _cell(s, key)) for label, key in (("accuracy", "accuracy"), *CONFIDENCE_ROWS)]
+        rows += [(f"  {label}", _cell(s, key, mark)) for label, key in (("accuracy", "accuracy"), *CONFIDENCE_ROWS)]
+        if s.get("format_rate") is not None:
+            rows.append(("  format valid", f"{s['format_rate']:.3f}"))
     return rows
 
 
 def format_table(summary: dict) -> str:
     """A short text table of the main numbers with their 95% intervals: the stated
     confidence's, then the expected confidence's and the sampled episodes' when the
-    summary has them."""
+    summary has them. Metrics of a part whose format-valid rate is below FALLBACK_BELOW
+    are marked, with FALLBACK_NOTE under the table; the definition of model turns follows
+    when the table shows them."""
+    mark = is_fallback(summary.get("format_rate"))
     cell = functools.partial(_cell, summary)
-    rows = [("examples", str(summary["n"])), ("accuracy", cell("accuracy")), ("ECE", cell("ece")),
-            ("MCIP", cell("mcip")), ("AUROC", cell("auroc")), ("Brier", cell("brier")),
-            ("mean confidence", cell("mean_confidence"))]
-    for key, label in (("format_rate", "format valid"), ("mean_turns", "mean turns"),
+    rows = [("examples", str(summary["n"]))]
+    rows += [(label, cell(key, mark)) for label, key in (("accuracy", "accuracy"), ("ECE", "ece"), ("MCIP", "mcip"),
+                                                         ("AUROC", "auroc"), ("Brier", "brier"),
+                                                         ("mean confidence", "mean_confidence"))]
+    for key, label in (("format_rate", "format valid"), ("mean_turns", "mean model turns"),
                        ("mean_tool_calls", "mean tool calls")):
         if summary.get(key) is not None:
             rows.append((label, f"{summary[key]:.3f}"))
     rows += _section_rows(summary)
     for kind, sub in summary.get("by_kind", {}).items():
-        rows.append((f"  {kind} (n={sub['n']})", f"acc {sub['accuracy']:.3f}, mean q {sub['mean_confidence']:.3f}"))
+        m = FALLBACK_MARK * is_fallback(sub.get("format_rate"))
+        rows.append((f"  {kind} (n={sub['n']})",
+                     f"acc {sub['accuracy']:.3f}{m}, mean q {sub['mean_confidence']:.3f}{m}"))
     width = max(len(r[0]) for r in rows)
     head = f"mode {summary.get('mode', '?')}  (95% bootstrap intervals)"
-    return "\n".join([head] + [f"{k.ljust(width)}  {v}".rstrip() for k, v in rows])
+    lines = [head] + [f"{k.ljust(width)}  {v}".rstrip() for k, v in rows]
+    if any(FALLBACK_MARK in v for _, v in rows):
+        lines.append(FALLBACK_NOTE)
+    if summary.get("mean_turns") is not None:
+        lines.append(turns_note(summary))
+    return "\n".join(lines)
 
 
 COMPARE_ROWS = (("accuracy", "accuracy"), ("ECE", "ece"), ("MCIP", "mcip"), ("AUROC", "auroc"),
@@ -341,12 +391,25 @@ COMPARE_ROWS = (("accuracy", "accuracy"), ("ECE", "ece"), ("MCIP", "mcip"), ("AU
                 ("Brier, sampled", "sampled.brier"))
 
 
+def _column_fallback(summary: dict, key: str) -> bool:
+    """Whether row `key` of a summary's column shows fallback values: a metric (FALLBACK_KEYS)
+    of a part (the summary; the expected section reads the greedy episodes' tags; the
+    sampled section its own episodes) whose format-valid rate is below FALLBACK_BELOW."""
+    section, _, name = key.rpartition(".")
+    if name not in FALLBACK_KEYS:
+        return False
+    rate = (summary.get("sampled") or {}).get("format_rate") if section == "sampled" else summary.get("format_rate")
+    return is_fallback(rate)
+
+
 def compare_table(summaries: dict[str, dict]) -> str:
     """One text table with a column per summary ({column label: summary}), a row per metric
     (accuracy, ECE, MCIP, AUROC, Brier, mean confidence, format valid, mean tool calls; then
     ECE, AUROC and Brier of the expected confidence and of the sampled episodes where any
     summary has them), and the last column minus the first. Undefined values (AUROC of a
-    one-class set, a section a summary lacks) print n/a."""
+    one-class set, a section a summary lacks) print n/a. A column's metrics whose format-valid
+    rate is below FALLBACK_BELOW (and a change from or to one) are marked, with FALLBACK_NOTE
+    under the table."""
     labels = list(summaries)
 
     def value(summary, key):
@@ -355,21 +418,24 @@ def compare_table(summaries: dict[str, dict]) -> str:
         return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
     head = ["metric", *labels] + (["change"] if len(labels) > 1 else [])
-    body = []
+    body, marked = [], False
     for name, key in COMPARE_ROWS:
         section = key.rpartition(".")[0]
         if section and not any(summaries[label].get(section) for label in labels):
             continue
         vals = [value(summaries[label], key) for label in labels]
-        cells = ["n/a" if v is None else f"{v:.3f}" for v in vals]
+        marks = [FALLBACK_MARK * _column_fallback(summaries[label], key) for label in labels]
+        cells = ["n/a" if v is None else f"{v:.3f}{m}" for v, m in zip(vals, marks)]
         if len(labels) > 1:
             first, last = vals[0], vals[-1]
-            cells.append("n/a" if first is None or last is None else f"{last - first:+.3f}")
+            m = FALLBACK_MARK * bool(marks[0] or marks[-1])
+            cells.append("n/a" if first is None or last is None else f"{last - first:+.3f}{m}")
+        marked |= any(c.endswith(FALLBACK_MARK) for c in cells)
         body.append([name, *cells])
     body.append(["examples", *(str(summaries[label]["n"]) for label in labels)] + ([""] if len(labels) > 1 else []))
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
     fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)] + [FALLBACK_NOTE] * marked)
 
 
 # ---------------------------------------------------------------- the loop

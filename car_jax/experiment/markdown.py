@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import datetime
 import math
+import re
 from typing import Sequence
 
 from car_jax.calibration.rewards import RewardConfig
+from car_jax.eval.runner import FALLBACK_MARK, FALLBACK_NOTE, is_fallback
 from car_jax.experiment import dist, stats
 from car_jax.experiment.config import ExperimentConfig
 from car_jax.experiment.verdict import ACC_MARGIN
@@ -23,11 +25,21 @@ def _p(x) -> str:
     return f"{x:.3f}" if x >= 0.001 else f"{x:.1e}"
 
 
-def _cell(m: dict) -> str:
+MARK = "\\" + FALLBACK_MARK  # escaped: a bare * may start a list or emphasis
+NOTE = MARK + re.sub(r"(<\w+>|\\boxed\{\})", r"`\1`", FALLBACK_NOTE.removeprefix(FALLBACK_MARK))  # tags as code
+
+
+def _cell(m: dict, mark: bool = False) -> str:
     if m["mean"] is None or math.isnan(m["mean"]):
         return "n/a"
     ci = "" if math.isnan(m["lo"]) else f" [{m['lo']:.3f}, {m['hi']:.3f}]"
-    return f"{m['mean']:.3f}{ci}"
+    return f"{m['mean']:.3f}{MARK * mark}{ci}"
+
+
+def _format_rate(p: dict) -> float | None:
+    """A policy's format-valid rate: the mean over its seeds that know theirs (None: none do)."""
+    known = [r for r in p.get("format_rate") or [] if r is not None]
+    return sum(known) / len(known) if known else None
 
 
 def _interval(lo: float, hi: float, fmt: str = "+.3f") -> str:
@@ -99,11 +111,18 @@ def _setup(cfg: ExperimentConfig, res: dict) -> list[str]:
 
 
 def _policy_table(sres: dict) -> list[str]:
-    lines = ["| policy | accuracy | ECE | MCIP | AUROC | Brier | mean confidence |", "|---|---|---|---|---|---|---|"]
+    """The split's table of policies; the metrics of a policy whose format-valid rate is below
+    `runner.FALLBACK_BELOW` are marked, with the fallback note (`runner.FALLBACK_NOTE`) under the table."""
+    lines = ["| policy | accuracy | ECE | MCIP | AUROC | Brier | mean confidence | format valid |",
+             "|---|---|---|---|---|---|---|---|"]
+    marked = False
     for name, p in sres["policies"].items():
         label = "warm start (before RL)" if name == "warm" else f"{name} ({p['seeds']} seed{'s' * (p['seeds'] > 1)})"
-        lines.append(f"| {label} | " + " | ".join(_cell(p[k]) for k in stats.REPORTED) + " |")
-    return lines
+        rate = _format_rate(p)
+        mark = is_fallback(rate)
+        marked |= mark
+        lines.append(f"| {label} | " + " | ".join(_cell(p[k], mark) for k in stats.REPORTED) + f" | {_num(rate)} |")
+    return lines + ["", NOTE] * marked
 
 
 def _test_cell(row: dict) -> str:

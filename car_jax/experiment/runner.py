@@ -117,7 +117,8 @@ def plan(cfg: ExperimentConfig) -> list[Unit]:
             units.append(Unit(f"equivalence/{name}", "equivalence", d, _train(
                 cfg, d, seed=cfg.seeds[0], reward=reward, model=warm_model, sft=SFTConfig(),
                 data=seed_data(cfg.seeds[0]), rl=dataclasses.replace(t.rl, steps=eq.steps),
-                run=dataclasses.replace(t.run, export_hf=False, tensorboard=False))))
+                run=dataclasses.replace(t.run, export_hf=False,  # no TensorBoard files; other loggers stay
+                                        loggers=tuple(n for n in t.run.loggers if n != "tensorboard")))))
     return units
 
 

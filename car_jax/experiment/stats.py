@@ -153,13 +153,16 @@ def modal_confidence(records: Sequence[dict], near: float = NEAR) -> dict[str, f
 
 def arm_summary(runs: Sequence[dict], n_boot: int, seed: int = 0) -> dict:
     """One policy over its runs ([{"records", "summary"}] one per seed): {metric: {"mean", "lo",
-    "hi", "per_seed"}} for REPORTED, plus "n" (questions per seed), "seeds" and "modal"
-    (modal_confidence per seed). The interval: with 2 or more seeds the t interval over the
-    per-seed values (`t_interval`); a single run's is a percentile bootstrap over its questions
-    (metrics.bootstrap_ci, n_boot draws)."""
+    "hi", "per_seed"}} for REPORTED, plus "n" (questions per seed), "seeds", "modal"
+    (modal_confidence per seed) and "format_rate" (per seed the share of records with
+    `format_ok`; None for a run whose records lack it). The interval: with 2 or more seeds the
+    t interval over the per-seed values (`t_interval`); a single run's is a percentile
+    bootstrap over its questions (metrics.bootstrap_ci, n_boot draws)."""
     values = [run_values(r["records"], r.get("summary")) for r in runs]
     out = {"n": [len(r["records"]) for r in runs], "seeds": len(runs),
-           "modal": [modal_confidence(r["records"]) for r in runs]}
+           "modal": [modal_confidence(r["records"]) for r in runs],
+           "format_rate": [float(np.mean([x["format_ok"] for x in r["records"]]))
+                           if r["records"] and all("format_ok" in x for x in r["records"]) else None for r in runs]}
     ci = None
     if len(runs) == 1:
         with warnings.catch_warnings():

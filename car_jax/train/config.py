@@ -27,16 +27,20 @@ from car_jax.rl.steps import OptimConfig
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
 from car_jax.sharding import make_mesh
+from car_jax.train.loggers import LOGGERS, WandbConfig
 
 MAX_GROUP = 1_000  # trajectories per prompt
 MAX_PROMPTS = 1_000_000  # prompts per step (x MAX_GROUP trajectories still fit int32)
+DEFAULT_LOGGERS = ("tensorboard",)  # run.loggers's default
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
     """The policy to train: where it is loaded from and how it runs."""
     # HF folder, .gguf, car_jax params folder; "" = the embedded SmolLM2-135M-Instruct;
-    # "builtin:tiny-random" = a 2-layer random-init model with its tokenizer (the positive control's)
+    # "builtin:tiny-random" = a 2-layer random-init model with its tokenizer (the positive control's);
+    # a hub id, e.g. model.path=Qwen/Qwen2.5-3B-Instruct (or ...@REVISION: branch, tag, commit), is
+    # downloaded once into the HF cache (HF_HUB_OFFLINE=1: cache only); a local path wins (`checkpoints.hub`)
     path: str = ""
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of the policy (optimizer moments follow it)
@@ -169,10 +173,21 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
+    """Where the run writes: checkpoints, metrics and their loggers (`train.log`), the export."""
     dir: str = "runs/car"
     checkpoint_every: int = 50
     keep: int = 3
-    tensorboard: bool = True
+    # Where the step metrics go besides dir/metrics.jsonl (always written): any of "tensorboard"
+    # (event files in dir/tb) and "wandb" (Weights & Biases, settings in run.wandb; needs
+    # `pip install 'car_jax[wandb]'`), [] for none. Command line: run.loggers=[tensorboard,wandb].
+    loggers: tuple[str, ...] = DEFAULT_LOGGERS
+    # Deprecated, superseded by run.loggers (kept for the configs and saved runs that set it):
+    # false drops "tensorboard" from the default run.loggers; with any other run.loggers it must
+    # agree with it (true: "tensorboard" listed, false: not), else it is an error. The loaded
+    # config holds null and the resolved run.loggers.
+    tensorboard: bool | None = None
+    wandb: WandbConfig = WandbConfig()  # the W&B run, when run.loggers lists "wandb"
+    samples_per_step: int = 16  # a step's first N trajectories (the writer process's), logged as a table; 0: none
     resume: bool = True  # continue from the latest checkpoint in dir
     export_hf: bool = True  # write the final policy as an HF folder (dir/hf)
 
@@ -180,6 +195,30 @@ class RunConfig:
         require(bool(self.dir), "dir", self.dir, "a folder path")
         require(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, ">= 1 (steps)")
         require(self.keep >= 1, "keep", self.keep, ">= 1 (checkpoints kept)")
+        require(self.samples_per_step >= 0, "samples_per_step", self.samples_per_step,
+                ">= 0 (trajectories logged per step; 0: none)")
+        object.__setattr__(self, "loggers", resolve_loggers(self.loggers, self.tensorboard))
+        object.__setattr__(self, "tensorboard", None)
+
+
+def resolve_loggers(loggers: Sequence[str], tensorboard: bool | None) -> tuple[str, ...]:
+    """run.loggers with the deprecated run.tensorboard folded in (see RunConfig); ValueError at
+    the key at fault for an unknown or repeated name and for a contradiction. A section given in
+    part is merged onto the default RunConfig, so an old `tensorboard: false` arrives with the
+    default loggers: that pair means "no TensorBoard" (and is the one pair not checked)."""
+    loggers = tuple(loggers)
+    for i, name in enumerate(loggers):
+        if name not in LOGGERS:
+            raise ValueError(f"loggers={name!r} is not a logger; the loggers are: {', '.join(LOGGERS)} "
+                             f"(metrics.jsonl is always written)")
+        if name in loggers[:i]:
+            raise ValueError(f"loggers={list(loggers)} lists {name!r} twice; name each logger once")
+    if tensorboard is None or tensorboard == ("tensorboard" in loggers):
+        return loggers
+    if tensorboard is False and loggers == DEFAULT_LOGGERS:
+        return ()
+    raise ValueError(f"tensorboard={str(tensorboard).lower()} contradicts run.loggers={list(loggers)}; "
+                     f"run.tensorboard is deprecated: drop it and list the loggers in run.loggers alone")
 
 
 @dataclasses.dataclass(frozen=True)

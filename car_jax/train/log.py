@@ -1,19 +1,36 @@
-"""Training metrics: one JSON line per step, TensorBoard scalars, a progress bar, timers.
+"""Training metrics: one JSON line per step, the loggers of `run.loggers`, a progress bar, timers.
 
     timer = Timer()
-    with MetricsLogger(run_dir, total_steps=200, initial_step=start) as log:
+    with MetricsLogger(run_dir, loggers=("tensorboard", "wandb"), wandb=WandbConfig(mode="offline"),
+                       config=dump_config(cfg), total_steps=200, initial_step=start) as log:
         for step in range(start + 1, 201):
             with timer("rollout"):
                 ...
             with timer("update"):
                 state, m = train_step(state, batch); jax.block_until_ready(m)
-            log.log(step, {**m, **timer.split()})
+            log.log(step, {**m, **timer.split()}, samples=[Sample(...), ...])
 
-`run_dir/metrics.jsonl` holds `{"step": s, "time": unix_seconds, **metrics}` per line. Each
-line is flushed when written, so a crash loses at most the line being written;
+`run_dir/metrics.jsonl` holds `{"step": s, "time": unix_seconds, **metrics}` per line, whatever
+the loggers. Each line is flushed when written, so a crash loses at most the line being written;
 `read_metrics` skips a truncated last line. Non-finite floats are written as the strings
 "NaN", "Infinity", "-Infinity" (the file stays strict JSON) and read back as floats.
-TensorBoard event files go to `run_dir/tb/` (tensorboardX).
+
+The config keys (`train.config.RunConfig`):
+  run.loggers           where the metrics go besides metrics.jsonl: any of "tensorboard" (event
+                        files in run_dir/tb, tensorboardX) and "wandb" (Weights & Biases, the
+                        `wandb` extra), [] for none; default ["tensorboard"]. On the command line
+                        `run.loggers=[tensorboard,wandb]`. Each logger gets the same metric names
+                        and steps as metrics.jsonl, and the step's samples as a table
+                        (`loggers.Sample`: prompt, response, gold, reward, correct, confidence;
+                        W&B: a wandb.Table "samples"; TensorBoard: text "samples/text_summary").
+  run.tensorboard       deprecated, superseded by run.loggers: false = no "tensorboard" in the
+                        default list; a value that contradicts run.loggers is an error.
+  run.samples_per_step  the first N trajectories of a step (the writer's rows) logged as its
+                        samples; 0: none.
+  run.wandb.{project, entity, name, group, tags, mode}
+                        the W&B run (`loggers.WandbConfig`; null: the WANDB_* variable).
+Only the writer process (`hosts.is_writer`: jax.process_index() == 0) builds a MetricsLogger;
+the others get a NullLogger. The sinks themselves are in `train/loggers.py`.
 """
 from __future__ import annotations
 
@@ -27,10 +44,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
-__all__ = ["MetricsLogger", "NullLogger", "Timer", "read_metrics", "METRICS_FILE"]
+from car_jax.train.loggers import Sample, WandbConfig, open_sinks
+
+__all__ = ["MetricsLogger", "NullLogger", "Sample", "Timer", "read_metrics", "METRICS_FILE"]
 
 METRICS_FILE = "metrics.jsonl"
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -61,12 +79,15 @@ def _json_value(x: int | float) -> int | float | str:
 
 
 class MetricsLogger:
-    """Writes per-step metrics to `run_dir/metrics.jsonl`, TensorBoard and a tqdm bar.
+    """Writes per-step metrics to `run_dir/metrics.jsonl`, the chosen loggers and a tqdm bar.
 
     Args:
       run_dir: the run's folder (created if missing). An existing metrics file is appended
         to (resume); a partial last line left by a crash is removed first.
-      tensorboard: also write TensorBoard scalars under `run_dir/tb`.
+      loggers: names from `loggers.LOGGERS` ("tensorboard": run_dir/tb; "wandb": a W&B run),
+        each fed every step's metrics and samples; () for the JSONL alone.
+      wandb: the W&B run's settings when loggers lists "wandb" (default: all from WANDB_*).
+      config: the run's config as plain data (`config.dump_config`), recorded by W&B once.
       total_steps: the last step number; when given, a tqdm bar with ETA is shown.
       desc: the bar's label.
       show: metric keys shown in the bar's postfix when present.
@@ -75,7 +96,8 @@ class MetricsLogger:
         larger step (they were logged after the checkpoint and will be logged again).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True,
+    def __init__(self, run_dir: str | os.PathLike, *, loggers: Sequence[str] = ("tensorboard",),
+                 wandb: WandbConfig | None = None, config: Mapping[str, Any] | None = None,
                  total_steps: int | None = None, desc: str = "train",
                  show: Sequence[str] = ("reward", "accuracy", "ece", "kl"),
                  initial_step: int = 0, truncate_after: int | None = None):
@@ -83,18 +105,22 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self.show = tuple(show)
-        _repair(self.path, truncate_after)
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = None
-        if tensorboard:
-            self._tb = SummaryWriter(logdir=str(self.run_dir / "tb"))
+        self._sinks = open_sinks(tuple(loggers), self.run_dir, wandb, config)  # first: one may fail to open
+        try:
+            _repair(self.path, truncate_after)
+            self._file = open(self.path, "a", encoding="utf-8")
+        except BaseException:
+            for sink in self._sinks:
+                sink.close()
+            raise
         self._bar = None
         if total_steps is not None:
             self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc,
                              dynamic_ncols=True, unit="step")
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Records `metrics` (name -> scalar) for `step`: one JSON line, TB scalars, bar."""
+    def log(self, step: int, metrics: Mapping[str, Any], samples: Sequence[Sample] = ()) -> None:
+        """Records `metrics` (name -> scalar) for `step`: one JSON line, each logger (with the
+        step's `samples`, if any), the bar."""
         step = int(step)
         values = {}
         for key, value in metrics.items():
@@ -106,11 +132,8 @@ class MetricsLogger:
                   **{k: _json_value(v) for k, v in values.items()}}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in values.items():
-                if math.isfinite(v):  # an undefined value (AUROC of a batch with one class) stays in the JSONL
-                    self._tb.add_scalar(k, v, global_step=step)
-            self._tb.flush()
+        for sink in self._sinks:
+            sink.log(step, values, tuple(samples))
         if self._bar is not None:
             shown = {k: f"{values[k]:.4g}" for k in self.show if k in values}
             if shown:
@@ -121,12 +144,12 @@ class MetricsLogger:
                 self._bar.refresh()
 
     def close(self) -> None:
-        """Flushes and closes the file, the TensorBoard writer and the bar (idempotent)."""
+        """Flushes and closes the file, the loggers and the bar (idempotent)."""
         if not self._file.closed:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -142,7 +165,7 @@ class NullLogger:
     """A MetricsLogger that writes nothing: what the processes other than the writer of a
     multi-process run log to (`hosts.is_writer`)."""
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, Any], samples: Sequence[Sample] = ()) -> None:
         pass
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 import car_jax
 from car_jax.calibration.rewards import reward_fn
-from car_jax.checkpoints.embedded import model_dir
+from car_jax.checkpoints.hub import resolve_model_path
 from car_jax.checkpoints.safetensors_io import CheckpointError
 from car_jax.checkpoints.sources import check_model_path
 from car_jax.config import ConfigError
@@ -54,9 +54,14 @@ def build_mesh(cfg: MeshConfig) -> Mesh | None:
 
 def load_policy(cfg: PolicyConfig, mesh: Mesh | None):
     """(model, tokenizer) from the configured path ("" = the embedded SmolLM2,
-    `embedded.TINY_RANDOM` the tiny random model). A path that holds no model (checked before
-    anything loads), no tokenizer or a damaged checkpoint is a ConfigError naming model.path."""
-    path = str(model_dir(cfg.path))
+    `embedded.TINY_RANDOM` the tiny random model, a hub id such as Qwen/Qwen2.5-3B-Instruct
+    is fetched into the HF cache: `checkpoints.hub`). A path that is none of these or holds no
+    model (checked before anything loads), no tokenizer or a damaged checkpoint is a
+    ConfigError naming model.path."""
+    try:
+        path = str(resolve_model_path(cfg.path))
+    except CheckpointError as err:
+        raise ConfigError(f"model.path={err}") from None
     try:
         check_model_path(path)
     except CheckpointError as err:

@@ -28,7 +28,7 @@ from car_jax.calibration import metrics as cal
 from car_jax.calibration.rewards import reward_inputs
 from car_jax.checkpoints.loader import save_hf_folder
 from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
-from car_jax.config import ConfigError, save_config
+from car_jax.config import ConfigError, dump_config, save_config
 from car_jax.data import DatasetError, chance, load_dataset, make_prompt, world_retriever
 from car_jax.models.api import Model
 from car_jax.models.policy import device_kind
@@ -40,6 +40,7 @@ from car_jax.rollout.episode import EpisodeStats, run_episodes
 from car_jax.train import flops
 from car_jax.train.config import TrainConfig
 from car_jax.train.log import MetricsLogger, NullLogger, Timer
+from car_jax.train.loggers import Sample, import_wandb
 from car_jax.train.setup import Setup, build_setup
 from car_jax.train.sft import chance_demos, mixed_demos, read_demos, run_sft, tokenize_demos, world_demos
 
@@ -55,6 +56,9 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        if "wandb" in cfg.run.loggers and hosts.is_writer():
+            import_wandb()  # a missing `wandb` extra fails here, before the data and the model load
+        self.step_samples: list[Sample] = []  # the last step's samples, for the loggers (`samples`)
         self.examples = training_examples(cfg)  # before the model loads: a bad data path fails in seconds
         self.s: Setup = build_setup(cfg)
         self.dir = Path(cfg.run.dir)
@@ -103,7 +107,7 @@ class Trainer:
         trajs = tokenize_demos(demos, s.tokenizer)
         opt = make_optimizer(OptimConfig(lr=cfg.sft.lr, total_steps=cfg.sft.steps, weight_decay=0.0))
         state = init_state(jax.tree.map(jnp.copy, s.state.params), opt, s.model.mesh)
-        with self._logger(self.dir / "sft", tensorboard=False, total_steps=cfg.sft.steps, desc="sft",
+        with self._logger(self.dir / "sft", loggers=(), total_steps=cfg.sft.steps, desc="sft",
                           show=("sft_loss",)) as log:
             step_fn = make_sft_step(s.model.module, opt, s.model.mesh, state_shardings(state) if s.model.mesh else None)
             state, _ = run_sft(state, step_fn, trajs, steps=cfg.sft.steps,
@@ -122,7 +126,7 @@ class Trainer:
 
     @staticmethod
     def _logger(run_dir, **kwargs):
-        """The metrics logger: files, TensorBoard and the bar in process 0, nothing elsewhere."""
+        """The metrics logger: the JSONL, the run.loggers and the bar in process 0, nothing elsewhere."""
         return MetricsLogger(run_dir, **kwargs) if hosts.is_writer() else NullLogger()
 
     # -- data -------------------------------------------------------------------------
@@ -162,7 +166,7 @@ class Trainer:
         """G episodes for each of this process's share of the next prompts (all of them
         with one process), parsed on the host: (trajectories, HostBatch of these rows with
         the step's global ids and widths, episode stats, int64[b] each row's index in
-        self.sources)."""
+        self.sources, the examples of these rows: one per group of G rows)."""
         cfg, s = self.cfg, self.s
         g = cfg.rollout.group_size
         examples = self.next_examples(cfg.rl.prompts_per_step)  # every process: the same stream
@@ -191,7 +195,7 @@ class Trainer:
                               groups=[ex.group_id for ex in examples for _ in range(g)], lengths=lengths)
             host = share_prompts(host, s.tokenizer.pad_token_id or 0)
         source = np.array([self._source_index[ex.data_source] for ex in examples for _ in range(g)], np.int64)
-        return trajs, host, stats, source
+        return trajs, host, stats, source, examples
 
     def _sizes(self, n: int) -> tuple[int, int]:
         cfg, mesh = self.cfg, self.s.model.mesh
@@ -239,7 +243,7 @@ class Trainer:
                 **{k: float(v) for k, v in mismatch.items()}}
 
     def step(self, step: int, timer: Timer) -> dict[str, float]:
-        trajs, host, stats, source = self.rollout(step, timer)
+        trajs, host, stats, source, examples = self.rollout(step, timer)
         self._sizes(host.rows * hosts.count())  # a bad batch layout fails before anything is sent
         batch, rewards = self.s.score(to_device(host, self.s.model.mesh))
         train_metrics = self.update(batch, hosts.allgather(host.prompt_of), timer, step)
@@ -247,8 +251,19 @@ class Trainer:
         perf = self._perf_metrics(trajs, host, split["time/step"])
         # this process's rows of the device results, in host order (for the group statistics)
         scored = np.stack([hosts.fetch_local(x, self.s.model.mesh) for x in (rewards, batch.advantages)], axis=1)
+        self.step_samples = self.samples(examples, trajs, host, scored[:, 0])
         return {**self._rollout_metrics(trajs, host, rewards, scored, stats, split),
                 **self._source_metrics(host, source), **train_metrics, **split, **perf}
+
+    def samples(self, examples, trajs, host: HostBatch, rewards: np.ndarray) -> list[Sample]:
+        """The first run.samples_per_step of this process's rows of the step (whole groups of
+        its first prompts), as the loggers show them. examples: one per group of G rows;
+        rewards float32[b]: the scorer's, in host order."""
+        g = self.cfg.rollout.group_size
+        return [Sample(prompt=examples[i // g].question, response=trajs[i].text,
+                       gold=" | ".join(examples[i // g].golden_answers), reward=float(rewards[i]),
+                       correct=bool(host.correct[i]), confidence=float(host.q[i]))
+                for i in range(min(self.cfg.run.samples_per_step, len(trajs)))]
 
     def _source_metrics(self, host: HostBatch, source: np.ndarray) -> dict[str, float]:
         """With several data sources: `q/<source>` (the mean sampled confidence) and
@@ -312,11 +327,12 @@ class Trainer:
         cfg = self.cfg
         timer = Timer()
         rows = []
-        with self._logger(self.dir, tensorboard=cfg.run.tensorboard, total_steps=cfg.rl.steps,
-                          initial_step=self.start_step, truncate_after=self.start_step) as log:
+        with self._logger(self.dir, loggers=cfg.run.loggers, wandb=cfg.run.wandb, config=dump_config(cfg),
+                          total_steps=cfg.rl.steps, initial_step=self.start_step,
+                          truncate_after=self.start_step) as log:
             for step in range(self.start_step + 1, cfg.rl.steps + 1):
                 row = self.step(step, timer)
-                log.log(step, row)
+                log.log(step, row, samples=self.step_samples)
                 rows.append({"step": step, **row})
                 self._save(step, force=step == cfg.rl.steps)
         self.ckpt.wait()

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/single_turn.py
 
 from common import header  # noqa: E402
 
@@ -48,13 +49,14 @@ def car_jax_stepper(folder, args):
 
     import car_jax
     from car_jax.rl import grpo
-    from car_jax.models.api import Model
+    from car_jax.loading import Model
     from car_jax.rollout.generate import generate_ids
     from car_jax.rollout.sampling import Sampler
     from car_jax.calibration.rewards import RewardConfig, RewardInputs, reward_fn
     from car_jax.rl.batches import chunked_logprobs, make_scorer, micro_batches, to_device
-    from car_jax.rl.host_batch import micro_plan, single_turn_batch
+    from car_jax.rl.host_batch import micro_plan
     from car_jax.rl.steps import OptimConfig, init_state, make_logprob_fn, make_optimizer, make_train_step
+    from tests.single_turn import single_turn_batch
 
     model = car_jax.load_model(folder, progress=False, dtype=args.dtype, param_dtype="float32")
     tok = car_jax.load_tokenizer(folder)

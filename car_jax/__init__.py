@@ -11,10 +11,10 @@ __version__ = "0.1.0"
 
 # public name -> (module, attribute); attribute None re-exports the module itself.
 _EXPORTS = {
-    "load_model": ("car_jax.models.api", "load_model"),
-    "load_tokenizer": ("car_jax.models.api", "load_tokenizer"),
-    "save_hf": ("car_jax.models.api", "save_hf"),
-    "Model": ("car_jax.models.api", "Model"),
+    "load_model": ("car_jax.loading", "load_model"),
+    "load_tokenizer": ("car_jax.loading", "load_tokenizer"),
+    "save_hf": ("car_jax.loading", "save_hf"),
+    "Model": ("car_jax.loading", "Model"),
     "ModelConfig": ("car_jax.models.config", "ModelConfig"),
     "make_mesh": ("car_jax.sharding", "make_mesh"),
     "rewards": ("car_jax.calibration.rewards", None),

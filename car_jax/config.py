@@ -5,8 +5,8 @@ Each concern owns a small frozen dataclass; a top-level config composes them
 `EvalConfig(model: EvalModelConfig, episode: EpisodeConfig, ...)` for `car-jax eval`; both
 commands read `[--config X.yaml] key=value ...`). This module is the generic machinery:
 
-    cfg = load_config(TrainConfig, "configs/tiny.yaml", ["rl.kl_coef=0.0",
-                                                        'rollout.stops=["</search>"]'])
+    cfg = load_config(TrainConfig, "configs/tiny_test.yaml", ["rl.loss.kl_coef=0.0",
+                                                             "run.loggers=[tensorboard,wandb]"])
     save_config(cfg, run_dir / "config.yaml")   # load_config(TrainConfig, that) == cfg
 
 Rules:
@@ -37,9 +37,8 @@ Rules:
   or by raising ValueError); a message that starts with `field=` (`Class.field=`, or a
   dotted `section.field=` below it) comes back at that key: `rl.steps: -3 must be >= 1`;
   any other message comes back prefixed with the path of the section that raised it.
-- A field with `metadata={"config": False}` is not a key: the code sets it (an unknown key
-  if a file names it; not dumped; a loaded config holds its class default). `rl.grpo.LossConfig.temperature` is one: the train
-  step's builder takes it from the episode config.
+- Every init field of a config dataclass is a key: a value the code computes at run time
+  (the rollout's log-prob temperature, Dr.GRPO's horizon) is a function's argument instead.
 
 Why not draccus (levanter's config library, 0.11.6 tried on the test dataclasses of
 tests/test_config.py): it loses the error quality this module guarantees. A misspelt key
@@ -199,7 +198,7 @@ def apply_overrides(data: Mapping[str, Any] | None, overrides: Sequence[str]) ->
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value "
-                              f"(e.g. rl.kl_coef=0.0)")
+                              f"(e.g. rl.loss.kl_coef=0.0)")
         parts = key.split(".")
         if any(not p for p in parts):
             raise ConfigError(f"override {item!r}: empty name in dotted key {key!r}")
@@ -368,8 +367,8 @@ def _check_numbers(value: Any, path: str) -> None:
 
 
 def _keys(cls: type) -> list[dataclasses.Field]:
-    """The fields of a dataclass that are config keys (init fields not marked config=False)."""
-    return [f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config", True)]
+    """The fields of a dataclass that are config keys (its init fields)."""
+    return [f for f in dataclasses.fields(cls) if f.init]
 
 
 def _allows_none(tp: Any) -> bool:

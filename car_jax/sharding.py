@@ -5,16 +5,21 @@ with sharded weights) and `tp` (tensor parallel: heads, mlp width and vocab spli
 Parameters name their dimensions with logical axes (PARAM_AXES); a rules table maps
 logical axes to mesh axes, with a training variant (weights split over fsdp too) and a
 sampling variant (weights only split over tp, so a decode step needs no weight gather).
-Modules never build specs themselves: they read this table.
+Modules never build specs themselves: they read this table. `MeshConfig` is the configs'
+`mesh` section, built into a mesh by `make_mesh`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from car_jax import hosts
+from car_jax.config import ConfigError, require
 
 MESH_AXES = ("fsdp", "tp")
 
@@ -88,6 +93,46 @@ def make_mesh(fsdp: int = -1, tp: int = 1, devices: Sequence[Any] | None = None)
                             f"use -1 for one axis to take the rest")
     axis_types = (jax.sharding.AxisType.Auto,) * 2
     return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types, devices=devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The `mesh` section of the train and eval configs: the devices a run spans and the
+    (fsdp, tp) mesh over them (`build`)."""
+    fsdp: int = -1  # -1: the devices left after tp
+    tp: int = 1
+    devices: int = 0  # use the first N devices; 0 = all. With one device there is no mesh.
+
+    def __post_init__(self):
+        for f in ("fsdp", "tp"):
+            require(getattr(self, f) >= 1 or getattr(self, f) == -1, f, getattr(self, f),
+                    ">= 1, or -1 for the devices the other axis leaves")
+        require(self.tp != -1 or self.fsdp != -1, "tp", self.tp, "a size when fsdp=-1 (one axis at most may be -1)")
+        require(self.devices >= 0, "devices", self.devices, ">= 0 (0: all devices)")
+
+    def pick(self, available: Sequence[Any]) -> list:
+        """The devices the mesh spans: the first `devices` of `available` (all for 0). Raises
+        ConfigError naming mesh.devices when more are asked for than `available` holds, and
+        mesh.fsdp when fsdp x tp does not fit the devices picked (checked with two or more:
+        one device has no mesh)."""
+        n = self.devices or len(available)
+        if n > len(available):
+            raise ConfigError(f"mesh.devices: {self.devices} devices asked for, but only {len(available)} are "
+                              f"available; use at most {len(available)} (or 0 for all of them)")
+        known = math.prod(s for s in (self.fsdp, self.tp) if s != -1)
+        if n > 1 and (n % known or (-1 not in (self.fsdp, self.tp) and known != n)):
+            raise ConfigError(f"mesh.fsdp: fsdp={self.fsdp} x tp={self.tp} does not fit the {n} devices used "
+                              f"(mesh.devices={self.devices}, {len(available)} available): the product must be "
+                              f"{n}, or divide it with -1 for the axis that takes the rest")
+        return list(available[:n])
+
+    def build(self):
+        """The (fsdp, tp) jax Mesh over the picked devices of `jax.devices()`; None with one
+        device. With several processes the mesh must span all of them (`hosts.check_mesh`)."""
+        devices = self.pick(jax.devices())
+        mesh = make_mesh(self.fsdp, self.tp, devices) if len(devices) > 1 else None
+        hosts.check_mesh(mesh)
+        return mesh
 
 
 def spec_for(logical: Sequence[str], mode: str = "train") -> P:

@@ -45,7 +45,7 @@ def build_agent(folder, **overrides):
     """A tiny random llama with SmolLM2's vocabulary and its tokenizer saved beside it: an HF
     folder `car-jax train` / `eval` load like a real policy (it writes no sensible text)."""
     from car_jax.assets import smollm2_gguf
-    from car_jax.models.api import load_tokenizer
+    from car_jax.loading import load_tokenizer
 
     build("llama", folder, vocab_size=49152, **overrides)
     load_tokenizer(smollm2_gguf()).save_pretrained(str(folder))

@@ -4,7 +4,8 @@ import pytest
 
 from car_jax.config import ConfigError, load_config
 from car_jax.eval.config import EvalConfig
-from car_jax.train.config import MeshConfig, TrainConfig
+from car_jax.sharding import MeshConfig
+from car_jax.train.config import TrainConfig
 
 # (overrides, the message's start: "dotted.key: value", a piece of what is expected)
 TRAIN_BAD = [

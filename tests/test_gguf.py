@@ -11,7 +11,7 @@ import transformers
 import car_jax
 from car_jax.assets import smollm2_gguf
 from car_jax.checkpoints.gguf_io import unpermute_rows
-from car_jax.models.api import Model
+from car_jax.loading import Model
 from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN
 

@@ -27,20 +27,21 @@ def inputs(dtype, seed=0):
     return h, w, y, old, ref, adv, mask
 
 
-def plain_loss(h, w, y, old, ref, adv, mask, cfg, norm, sampler=None):
-    logits = jnp.einsum("bnd,dv->bnv", h.astype(jnp.float32), w.astype(jnp.float32)) / cfg.temperature
+def plain_loss(h, w, y, old, ref, adv, mask, cfg, norm, sampler=None, temperature=1.0):
+    logits = jnp.einsum("bnd,dv->bnv", h.astype(jnp.float32), w.astype(jnp.float32)) / temperature
     full = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(full, y[..., None], axis=-1)[..., 0]
     ent = -(jnp.exp(full) * full).sum(-1)
     return grpo.grpo_loss(logp, ent, old, ref, adv, mask, cfg, norm, sampler)[0], (logp, ent)
 
 
-CONFIGS = [grpo.LossConfig(agg="token-mean", kl_coef=0.05, kl_type="low_var_kl", entropy_coef=0.01),
-           grpo.LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, kl_type="k1", dual_clip=3.0, temperature=0.7,
-                           tis_cap=1.3),
-           grpo.LossConfig(agg="seq-mean-token-sum-norm", kl_coef=0.02, kl_type="k2", clip_high=0.28,
-                           entropy_coef=0.03, tis_cap=2.0, horizon=40.0),
-           grpo.LossConfig(agg="token-mean", kl_coef=0.0, kl_type="abs", dual_clip=2.0, temperature=1.3)]
+# (loss config, the rollout's log-prob temperature, Dr.GRPO's horizon)
+CONFIGS = [(grpo.LossConfig(agg="token-mean", kl_coef=0.05, kl_type="low_var_kl", entropy_coef=0.01), 1.0, None),
+           (grpo.LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, kl_type="k1", dual_clip=3.0, tis_cap=1.3), 0.7,
+            None),
+           (grpo.LossConfig(agg="seq-mean-token-sum-norm", kl_coef=0.02, kl_type="k2", clip_high=0.28,
+                            entropy_coef=0.03, tis_cap=2.0), 1.0, 40.0),
+           (grpo.LossConfig(agg="token-mean", kl_coef=0.0, kl_type="abs", dual_clip=2.0), 1.3, None)]
 
 
 POLICIES = pytest.mark.parametrize("policy", [PLAIN, XLA_CPU], ids=lambda p: p.name)
@@ -50,16 +51,18 @@ CHUNKS = [1, 3, 128]  # one position a chunk; 3 chunks with padding; one chunk
 # and every chunking: the policy swaps only the head's vocabulary sums (`policy.row_sum`; in
 # float32 its transposes are the plain .T), which see the chunk's rows but not the loss config
 # (that only sets the per-token weights of the gradient the head receives).
-CASES = [(cfg, chunk, (PLAIN, XLA_CPU)[(i + j) % 2]) for i, cfg in enumerate(CONFIGS) for j, chunk in enumerate(CHUNKS)]
+CASES = [(case, chunk, (PLAIN, XLA_CPU)[(i + j) % 2]) for i, case in enumerate(CONFIGS)
+         for j, chunk in enumerate(CHUNKS)]
 
 
-@pytest.mark.parametrize("cfg,chunk,policy", CASES,
-                         ids=[f"{c.agg}-{c.kl_type}-tis{c.tis_cap}-{n}-{p.name}" for c, n, p in CASES])
-def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk, policy):
+@pytest.mark.parametrize("case,chunk,policy", CASES,
+                         ids=[f"{c.agg}-{c.kl_type}-tis{c.tis_cap}-{n}-{p.name}" for (c, _, _), n, p in CASES])
+def test_fused_loss_and_gradient_equal_autodiff(case, chunk, policy):
+    cfg, temperature, horizon = case
     h, w, y, old, ref, adv, mask = inputs(jnp.float32)
-    norm = grpo.norm_of(mask, cfg.horizon)
+    norm = grpo.norm_of(mask, horizon)
     # old log-probs near the policy's, so some ratios fall inside the clip range and some outside
-    _, (logp0, _) = plain_loss(h, w, y, old, ref, adv, mask, cfg, norm, old)
+    _, (logp0, _) = plain_loss(h, w, y, old, ref, adv, mask, cfg, norm, old, temperature)
     noise = np.random.default_rng(1).normal(0, 0.3, size=(2, B, N))
     old = logp0 + jnp.asarray(noise[0], jnp.float32)
     # and the sampler's log-probs near those, so some TIS weights are capped and some not
@@ -67,11 +70,11 @@ def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk, policy):
 
     def ours(h, w):
         loss, logp, ent = grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, chunk=chunk, policy=policy,
-                                         sampler_logp=sampler)
+                                         sampler_logp=sampler, temperature=temperature)
         return loss, (logp, ent)
 
     def plain(h, w):
-        return plain_loss(h, w, y, old, ref, adv, mask, cfg, norm, sampler)
+        return plain_loss(h, w, y, old, ref, adv, mask, cfg, norm, sampler, temperature)
 
     (l1, (lp1, e1)), g1 = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(h, w)
     (l2, (lp2, e2)), g2 = jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)(h, w)
@@ -89,7 +92,8 @@ def test_fused_loss_and_gradient_equal_autodiff(cfg, chunk, policy):
     if cfg.tis_cap is not None:  # the TIS cap binds at some sampled tokens and not at others, and it matters
         capped = (np.exp(np.asarray(old - sampler)) > cfg.tis_cap)[np.asarray(mask) > 0]
         assert capped.any() and (~capped).any()
-        untruncated = plain_loss(h, w, y, old, ref, adv, mask, dataclasses.replace(cfg, tis_cap=None), norm)[0]
+        untruncated = plain_loss(h, w, y, old, ref, adv, mask, dataclasses.replace(cfg, tis_cap=None), norm,
+                                 temperature=temperature)[0]
         assert abs(float(untruncated) - float(l2)) > 1e-3
 
 
@@ -98,7 +102,7 @@ def test_dr_grpo_loss_is_the_same_at_any_padded_width():
     horizon: the same fused loss and gradients (zero on the padding), and the hand-computed
     value: with old = the policy's log-probs (ratio 1), no KL and no entropy term, each
     sampled token contributes -A, so the loss is -sum_b A_b n_b / horizon."""
-    cfg = grpo.LossConfig(agg="seq-mean-token-sum-norm", kl_coef=0.0, horizon=40.0)
+    cfg = grpo.LossConfig(agg="seq-mean-token-sum-norm", kl_coef=0.0)
     h, w, y, _, ref, adv, mask = inputs(jnp.float32, seed=3)
     old = plain_loss(h, w, y, ref, ref, adv, mask, cfg, grpo.norm_of(mask, 40.0))[1][0]
 
@@ -106,7 +110,7 @@ def test_dr_grpo_loss_is_the_same_at_any_padded_width():
         return jnp.pad(x, [(0, 0), (0, 5)] + [(0, 0)] * (x.ndim - 2))
 
     def fused(h, w, y, old, mask):
-        return grpo_head_loss(h, w, y, old, None, adv, mask, cfg, grpo.norm_of(mask, cfg.horizon), chunk=4)[0]
+        return grpo_head_loss(h, w, y, old, None, adv, mask, cfg, grpo.norm_of(mask, 40.0), chunk=4)[0]
 
     grad = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))
     l7, (gh7, gw7) = grad(h, w, y, old, mask)
@@ -122,7 +126,7 @@ def test_dr_grpo_loss_is_the_same_at_any_padded_width():
 def test_bfloat16_gradient_within_rounding(policy):
     """bf16 operands: the logit gradient is rounded to 8 mantissa bits before the two
     products, hence 2% (the reference sees the same rounded inputs, in float32)."""
-    cfg = CONFIGS[0]
+    cfg = CONFIGS[0][0]
     h, w, y, old, ref, adv, mask = inputs(jnp.bfloat16, seed=2)
     norm = grpo.norm_of(mask)
     g1 = jax.grad(lambda h, w: grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, chunk=3, policy=policy)[0],
@@ -136,7 +140,7 @@ def test_bfloat16_gradient_within_rounding(policy):
 
 def test_logprobs_and_entropies_carry_no_gradient():
     h, w, y, old, ref, adv, mask = inputs(jnp.float32)
-    cfg, norm = CONFIGS[0], grpo.norm_of(mask)
+    cfg, norm = CONFIGS[0][0], grpo.norm_of(mask)
     g = jax.grad(lambda h: grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm)[1].sum()
                  + grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm)[2].sum())(h)
     assert float(jnp.abs(g).max()) == 0.0

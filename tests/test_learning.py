@@ -4,16 +4,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax.calibration.rewards import RewardConfig, RewardInputs, reward_fn
-from car_jax.models.api import Model
+from car_jax.loading import Model
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
 from car_jax.rl import grpo
 from car_jax.rl.batches import make_scorer, micro_batches, to_device
-from car_jax.rl.host_batch import micro_plan, single_turn_batch
+from car_jax.rl.host_batch import micro_plan
 from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_train_step
 from car_jax.rollout.generate import generate_ids
 from car_jax.rollout.sampling import Sampler
 from tests.hf_factory import StubTokenizer
+from tests.single_turn import single_turn_batch
 
 VOCAB = 6
 TARGET = [4, 2]  # a random policy says it with probability 1/36

@@ -13,7 +13,7 @@ from car_jax.assets import smollm2_gguf
 from car_jax.calibration import parsing
 from car_jax.calibration.rewards import reward_inputs
 from car_jax.data import QAExample, load_dataset, world_arith, world_large, world_mixed
-from car_jax.models.api import load_tokenizer
+from car_jax.loading import load_tokenizer
 from car_jax.rollout.protocols import Action, Mixed
 from car_jax.rollout.toolbox import ToolsConfig, open_tools
 from car_jax.train.sft import mixed_demos, tokenize_demos, world_demos

@@ -132,7 +132,7 @@ def test_gradients_match_torch_autograd(hf_pair, policy):
 def _lowered(module, tokens, weight=None) -> str:
     """The StableHLO (locations dropped) of `Model.logits`'s program, or with `weight` of
     the gradient test's, for `module` over abstract params and tokens."""
-    from car_jax.models.api import _forward
+    from car_jax.loading import _forward
 
     params = jax.eval_shape(module.init, jax.random.key(0), tokens)["params"]
 

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from car_jax.assets import smollm2_gguf
 from car_jax.config import load_config
-from car_jax.models.api import load_tokenizer
+from car_jax.loading import load_tokenizer
 from car_jax.sharding import flatten_params, params_shardings
 from car_jax.train.config import TrainConfig
 from car_jax.train.log import read_metrics

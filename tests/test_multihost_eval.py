@@ -10,7 +10,7 @@ import json
 import pytest
 
 from car_jax.assets import smollm2_gguf
-from car_jax.models.api import load_tokenizer
+from car_jax.loading import load_tokenizer
 from tests.hf_factory import build
 from tests.multihost import launch, succeeded
 

@@ -1,11 +1,13 @@
-"""The package's shape: no import cycles, backend tests only in the execution policy, and
-imports at the top of modules (function-local ones only in cli/, where start-up speed matters,
-and for an optional extra's package)."""
+"""The package's shape: no import cycles, packages layered one way (LAYERS), backend tests
+only in the execution policy, and imports at the top of modules (function-local ones only in
+cli/, where start-up speed matters, and for an optional extra's package)."""
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "car_jax"
@@ -13,6 +15,10 @@ POLICY_MODULE = "car_jax.models.policy"  # the one place that asks which backend
 # imported where used: a user-facing extra's package (tfds, wandb), and bm25s, whose import runs a
 # JAX computation (it would start the backend before a multi-process run's jax.distributed.initialize)
 EXTRA_MODULES = {"tensorflow_datasets", "wandb", "bm25s"}
+# car_jax's packages (a subpackage, or a module at the top) from the bottom up: each imports only
+# those before it, so none imports its way back. README.md's "Layout" lists them in this order.
+LAYERS = ("config", "dims", "hosts", "assets", "sharding", "calibration", "models", "checkpoints", "loading",
+          "tools", "data", "rollout", "rl", "eval", "train", "plan", "experiment", "cli")
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -31,11 +37,23 @@ def _resolve(name: str, known: set[str]) -> str | None:
     return name or None
 
 
+def lazy_exports(root: ast.Module) -> dict[str, str]:
+    """The top package's lazy exports (`_EXPORTS`: public name -> (module, attribute)), as
+    name -> module; {} without them."""
+    for node in root.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+            return {name: module for name, (module, _) in ast.literal_eval(node.value).items()}
+    return {}
+
+
 def import_graph(mods: dict[str, ast.Module]) -> dict[str, set[str]]:
     """module -> the package modules it imports (anywhere in the file). `from pkg import x`
-    counts as importing pkg.x when that is a module; importing a.b.c also runs a and a.b."""
+    counts as importing pkg.x when that is a module; importing a.b.c also runs a and a.b.
+    The top package's lazy exports count as their modules: `from car_jax import load_model`
+    imports car_jax.loading, and a plain `import car_jax` every exported module."""
     known = set(mods)
     top = next(iter(known)).split(".")[0]
+    exports = lazy_exports(mods[top]) if top in mods else {}
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, tree in mods.items():
         is_pkg = any(k.startswith(mod + ".") for k in known)
@@ -53,6 +71,8 @@ def import_graph(mods: dict[str, ast.Module]) -> dict[str, set[str]]:
             for t in targets:
                 if t.split(".")[0] != top:
                     continue
+                if t == top or t.removeprefix(top + ".") in exports:
+                    graph[mod] |= {e for name, e in exports.items() if t in (top, f"{top}.{name}")} - {mod}
                 hit = _resolve(t, known)
                 while hit:
                     if hit != mod and not mod.startswith(hit + "."):
@@ -82,6 +102,102 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if m not in state and (found := visit(m)):
             return found
     return None
+
+
+def package_of(module: str) -> str | None:
+    """car_jax.models.decoder -> "models", car_jax.sharding -> "sharding"; the top package
+    itself belongs to none."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def layering_errors(graph: dict[str, set[str]], layers: Sequence[str]) -> list[str]:
+    """What a module import graph breaks of `layers` (the packages from the bottom up): a
+    package missing from the list or listed but absent, a cycle between packages, and every
+    import of a package at or above the importer's, with the modules that make it."""
+    packages: dict[str, set[str]] = {}
+    upward: list[str] = []
+    rank = {p: i for i, p in enumerate(layers)}
+    for mod, deps in sorted(graph.items()):
+        src = package_of(mod)
+        if src is None:
+            continue
+        packages.setdefault(src, set())
+        for dep in sorted(deps):
+            dst = package_of(dep)
+            if dst is None or dst == src:
+                continue
+            packages[src].add(dst)
+            packages.setdefault(dst, set())
+            if src in rank and dst in rank and rank[dst] > rank[src]:
+                upward.append(f"{mod} imports {dep}: {dst} is above {src}")
+    errors = [f"package {p} is not in the layers" for p in sorted(set(packages) - set(rank))]
+    errors += [f"layer {p} is no package" for p in layers if p not in packages]
+    if cycle := find_cycle(packages):
+        errors.append("package cycle: " + " -> ".join(cycle))
+    return errors + upward
+
+
+def readme_layers(text: str) -> tuple[str, ...]:
+    """The numbered list of packages in README.md's "Layout" section, "1. `config.py`" ...
+    "7. `models/`" ... -> ("config", ..., "models", ...)."""
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    return tuple(re.findall(r"^\d+\. `(\w+)(?:/|\.py)`", section, re.M))
+
+
+def test_packages_layer_one_way():
+    errors = layering_errors(import_graph(modules()), LAYERS)
+    assert not errors, "\n".join(errors)
+
+
+def test_the_readme_lists_the_layers():
+    assert readme_layers((ROOT / "README.md").read_text()) == LAYERS
+
+
+def test_the_layering_check_rejects_a_package_cycle():
+    """Today's layers with the cycles and the sideways import the packages had before they
+    were layered (issue 35): models.api loading checkpoints, which read models' config;
+    calibration.sim on rl.grpo, which rl's batches answered with calibration.rewards; eval
+    taking MeshConfig from train.config."""
+    ok = {"car_jax.models.decoder": {"car_jax.models.config"}, "car_jax.models.config": set(),
+          "car_jax.checkpoints.loader": {"car_jax.models.config"},
+          "car_jax.rl.batches": {"car_jax.calibration.rewards"}, "car_jax.calibration.rewards": set(),
+          "car_jax.eval.config": {"car_jax.sharding"}, "car_jax.train.config": {"car_jax.sharding"},
+          "car_jax.sharding": set()}
+    layers = ("sharding", "calibration", "models", "checkpoints", "rl", "eval", "train")
+    assert layering_errors(ok, layers) == []
+    old = {**ok, "car_jax.models.api": {"car_jax.checkpoints.loader", "car_jax.models.decoder"}}
+    assert layering_errors(old, layers) == [
+        "package cycle: checkpoints -> models -> checkpoints",
+        "car_jax.models.api imports car_jax.checkpoints.loader: checkpoints is above models"]
+    old = {**ok, "car_jax.calibration.sim": {"car_jax.rl.grpo"}, "car_jax.rl.grpo": set(),
+           "car_jax.eval.config": {"car_jax.train.config"}}
+    assert layering_errors(old, layers) == [
+        "package cycle: calibration -> rl -> calibration",
+        "car_jax.calibration.sim imports car_jax.rl.grpo: rl is above calibration",
+        "car_jax.eval.config imports car_jax.train.config: train is above eval"]
+    # a package the list leaves out, and a listed one the graph lacks
+    assert layering_errors(ok, layers[1:] + ("plan",)) == ["package sharding is not in the layers",
+                                                         "layer plan is no package"]
+
+
+def test_the_layering_check_reads_lazy_exports_and_local_imports(tmp_path):
+    """`import pkg` reaches the top package's lazy exports; a function-local import counts."""
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text('_EXPORTS = {"thing": ("pkg.high.m", "thing")}\n')
+    (pkg / "high" / "m.py").write_text("thing = 1\n")
+    (pkg / "low" / "m.py").write_text("import pkg\n")
+    graph = import_graph(modules(pkg))
+    assert graph["pkg.low.m"] == {"pkg.high.m"}
+    assert layering_errors(graph, ("low", "high")) == ["pkg.low.m imports pkg.high.m: high is above low"]
+    (pkg / "low" / "m.py").write_text("def f():\n    from ..high.m import thing\n")
+    assert layering_errors(import_graph(modules(pkg)), ("low", "high")) == [
+        "pkg.low.m imports pkg.high: high is above low", "pkg.low.m imports pkg.high.m: high is above low"]
+    (pkg / "low" / "m.py").write_text("x = 1\n")
+    assert layering_errors(import_graph(modules(pkg)), ("low", "high")) == []
 
 
 def test_no_import_cycles():

@@ -15,7 +15,7 @@ import pytest
 
 import car_jax
 from car_jax.models import xla_cpu
-from car_jax.models.api import Model
+from car_jax.loading import Model
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN, XLA_CPU, backend_policy, plain_tied_unembed

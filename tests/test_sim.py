@@ -1,4 +1,4 @@
-"""car_jax.calibration.sim: GRPO advantages, q*, the policy's probabilities, determinism, and what the toy
+"""car_jax.rl.sim: GRPO advantages, q*, the policy's probabilities, determinism, and what the toy
 simulation shows (properties a broken update or reward wiring would fail)."""
 import dataclasses
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from car_jax.calibration import rewards, sim
-from car_jax.rl import grpo
+from car_jax.calibration import rewards
+from car_jax.rl import grpo, sim
 
 # Small but long enough for the confidence head to move: compile time dominates anyway.
 CFG = sim.SimConfig(n_questions=128, prompts_per_step=32, steps=200)

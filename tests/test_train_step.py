@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import car_jax
 from car_jax import sharding as shd
 from car_jax.config import load_config
-from car_jax.models.api import Model
+from car_jax.loading import Model
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN, XLA_CPU
@@ -227,18 +227,24 @@ def test_head_gradient_equals_autodiff_of_log_softmax(dtype):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=rel * scale)
 
 
+HORIZON = 300.0  # Dr.GRPO's horizon in the accumulation tests
+
+
 def accumulation_cfg(agg):
     """The loss of the accumulation tests (one config each, so the width-16 step compiles once)."""
-    return grpo.LossConfig(agg=agg, kl_coef=0.01, entropy_coef=0.01, dual_clip=3.0, horizon=300.0)
+    return grpo.LossConfig(agg=agg, kl_coef=0.01, entropy_coef=0.01, dual_clip=3.0)
+
+
+# grads_and_metrics jitted as the train step runs it: module, loss config, temperature and horizon static
+accumulated = jax.jit(grads_and_metrics, static_argnums=(0, 1), static_argnames=("temperature", "horizon"))
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batch_accumulation_is_exact(tiny, agg):
     module, params = tiny
     cfg = accumulation_cfg(agg)
-    fn = jax.jit(grads_and_metrics, static_argnums=(0, 1))
-    g1, m1, l1 = fn(module, cfg, params, make_batch(micro=8))
-    g4, m4, l4 = fn(module, cfg, params, make_batch(micro=2))
+    g1, m1, l1 = accumulated(module, cfg, params, make_batch(micro=8), horizon=HORIZON)
+    g4, m4, l4 = accumulated(module, cfg, params, make_batch(micro=2), horizon=HORIZON)
     diff = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), g1, g4)
     assert max(jax.tree.leaves(diff)) <= 1e-5
     assert abs(float(l1) - float(l4)) <= 1e-6
@@ -249,7 +255,7 @@ def test_micro_batch_accumulation_is_exact(tiny, agg):
 
 
 def test_dr_grpo_horizon_is_the_configured_constant(tiny):
-    """seq-mean-token-sum-norm divides by LossConfig.horizon (the builder's, from the episode
+    """seq-mean-token-sum-norm divides by the horizon (the builder's argument, from the episode
     config), not by the batch's padded width (16 here): with old_logp = the policy's own
     log-probs (ratio 1, no clip) each sampled token's policy term is -A, so pg_loss is the
     hand-computed -sum_b A_b n_b / horizon (n_b: row b's sampled tokens). The same loss at
@@ -257,17 +263,21 @@ def test_dr_grpo_horizon_is_the_configured_constant(tiny):
     module, params = tiny
     cfg = accumulation_cfg("seq-mean-token-sum-norm")  # the accumulation test's: compiled once
     host, batch = make_device_batch()
-    assert batch.tokens.shape[1] == 16 != cfg.horizon
+    assert batch.tokens.shape[1] == 16 != HORIZON
     old = chunked_logprobs(make_logprob_fn(module, 1.0), params, batch, micro_plan(host.prompt_of, np.arange(8), 2))
     plan = micro_plan(host.prompt_of, np.arange(8), 8)
-    _, m, _ = jax.jit(grads_and_metrics, static_argnums=(0, 1))(module, cfg, params,
-                                                               micro_batches(batch.replace(old_logp=old), plan))
-    want = -(np.asarray(batch.advantages, np.float64) * host.mask.sum(1)).sum() / cfg.horizon
+    _, m, _ = accumulated(module, cfg, params, micro_batches(batch.replace(old_logp=old), plan), horizon=HORIZON)
+    want = -(np.asarray(batch.advantages, np.float64) * host.mask.sum(1)).sum() / HORIZON
     assert abs(float(m["pg_loss"]) - want) <= 1e-5 * abs(want) and abs(want) > 1e-3
     # the builder needs the horizon: without it, Dr.GRPO's step is refused before it compiles
     with pytest.raises(ValueError, match="max_response_length"):
         make_train_step(module, make_optimizer(OptimConfig()), grpo.LossConfig(agg="seq-mean-token-sum-norm"),
                         temperature=1.0)
+    # and takes only a positive horizon and temperature (the episode config's)
+    with pytest.raises(ValueError, match="horizon=0"):
+        make_train_step(module, make_optimizer(OptimConfig()), cfg, temperature=1.0, horizon=0)
+    with pytest.raises(ValueError, match="temperature=0"):
+        make_train_step(module, make_optimizer(OptimConfig()), cfg, temperature=0.0, horizon=HORIZON)
 
 
 # the loss and optimizer of the sharded-step test, whose unsharded step `Trainer.update`'s test

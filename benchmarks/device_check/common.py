@@ -126,7 +126,7 @@ def random_model(cfg, *, dtype: str, param_dtype: str, remat: bool = False, seed
     import jax
     import jax.numpy as jnp
 
-    from car_jax.models.api import Model
+    from car_jax.loading import Model
     from car_jax.models.config import as_dtype
     from car_jax.models.decoder import Decoder
 

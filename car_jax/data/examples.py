@@ -108,6 +108,16 @@ def check_split(path_or_name: str | Path, split: str | None) -> None:
         raise DatasetError(f"{name} has splits {', '.join(have[:-1])} and {have[-1]}, not {split!r}")
 
 
+def split_of(source: str, split: str | None, key: str) -> None:
+    """A built-in dataset's split is checked with the config (`check_split`, no file
+    read): ValueError at `key`, `data.train_split: world has splits 'train' and 'dev', not 'dve'`.
+    Files and folders are checked when the run starts, before the model loads."""
+    try:
+        check_split(source, split)
+    except DatasetError as err:
+        raise ValueError(f"{key}={err}") from None
+
+
 def _resolve(path_or_name: str | Path, split: str | None) -> Path:
     """A name ("world", "world-large"), a file, or a folder + split -> the file to read."""
     if str(path_or_name) in WORLDS:

@@ -2,7 +2,7 @@
 frozen dataclass per concern, composed by `EvalConfig`, read with `car_jax.config.load_config`
 like the training config. The episode settings are `EpisodeConfig` (the same dataclass as
 training's `rollout` section, greedy by default here), the tools are `ToolsConfig`
-(training's `tools`) and the devices are `MeshConfig` (training's `mesh`; one device by
+(training's `tools`) and the devices are `sharding.MeshConfig` (training's `mesh`; one device by
 default, `mesh.devices=0` for all of them, which a run on several processes needs).
 
     car-jax eval model.path=runs/car/hf data.path=world data.split=dev mode=search
@@ -21,11 +21,12 @@ import dataclasses
 from typing import Literal
 
 from car_jax.config import require
+from car_jax.data.examples import split_of
 from car_jax.eval.runner import EVAL_EPISODE, SAMPLE_TOP_P
 from car_jax.models.config import DTYPES
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
-from car_jax.train.config import MeshConfig, split_of
+from car_jax.sharding import MeshConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,7 @@ from car_jax.eval.runner import (EVAL_EPISODE, FALLBACK_MARK, FALLBACK_NOTE, SAM
                                  read_samples, summarize)
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
-from car_jax.train.config import MeshConfig
+from car_jax.sharding import MeshConfig
 
 PILOT_FILE, PILOT_PLOT = "pilot.json", "pilot.png"
 KINDS = {"evidence": "search", "verification": "tir", "mixed": "mixed"}  # tool kind -> its tool mode

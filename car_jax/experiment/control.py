@@ -40,7 +40,7 @@ from matplotlib.figure import Figure
 from car_jax.config import load_config
 from car_jax.data import chance
 from car_jax.data.prompts import make_prompt
-from car_jax.models.api import load_model, load_tokenizer
+from car_jax.loading import load_model, load_tokenizer
 from car_jax.rl.confidence import expected_q, value_distribution
 from car_jax.rollout.generate import prompt_texts
 from car_jax.train.config import TrainConfig
@@ -158,7 +158,7 @@ def kind_prefixes(tokenizer, kinds=chance.KINDS) -> list[list[int]]:
 
 def measure(model, tokenizer, kinds=chance.KINDS) -> dict[str, dict[str, float]]:
     """kind -> {"expected_q": E[q | kind], "mode": the most likely value / 100} of `model`
-    (a `models.api.Model`), from its distribution over 0..100 at the confidence tag."""
+    (a `loading.Model`), from its distribution over 0..100 at the confidence tag."""
     dist = value_distribution(model, tokenizer, kind_prefixes(tokenizer, kinds), TAIL)
     means = expected_q(dist)
     return {kind: {"expected_q": float(m), "mode": float(np.argmax(d)) / 100.0}

@@ -20,7 +20,7 @@ size (`CPU_ATTENTION`). The attention variant reaches the layers of the prompt-s
 train forward (`models.prompt_forward`, what the train steps and log-prob passes run)
 and of `Decoder.__call__` (full forward, prefill; decode steps stay dense).
 `Decoder(cfg)` built without a policy gets
-`PLAIN`; `load_model` asks `backend_policy()`, the one place in car_jax that tests
+`PLAIN`; `loading.load_model` asks `backend_policy()`, the one place in car_jax that tests
 which backend runs.
 """
 from __future__ import annotations
@@ -109,9 +109,13 @@ class ExecutionPolicy:
 
     def train_params(self, params, dtype):
         """params as a jitted train step for compute dtype `dtype` should read them; take
-        gradients w.r.t. these and restack them with `xla_cpu.stack_layers` (a no-op for
-        stacked layers)."""
+        gradients w.r.t. these and bring them back to the stored layout with `stored_grads`."""
         return self.layers.train_params(params, dtype)
+
+    def stored_grads(self, grads):
+        """Gradients w.r.t. `train_params` in the layout of the stored params (XLA_CPU's
+        split layers restacked; stacked ones as they are)."""
+        return self.layers.stored_grads(grads)
 
     def loop_params(self, params, dtype):
         """params as the decode loop reads them, computed once outside its `while_loop`."""

@@ -61,6 +61,10 @@ class Scanned:
         """The params a train step differentiates: as stored."""
         return params
 
+    def stored_grads(self, grads):
+        """Gradients w.r.t. `train_params` in the stored layout: as they are."""
+        return grads
+
     def loop_params(self, params, dtype):
         """The params the decode loop reads: as stored (a cast copy would cost memory)."""
         return params

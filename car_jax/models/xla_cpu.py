@@ -186,6 +186,10 @@ class Unrolled:
         """bf16 compute: the layers split once per step (the Python loop); float32: stacked."""
         return unstack_layers(params) if jnp.dtype(dtype) != jnp.float32 else params
 
+    def stored_grads(self, grads):
+        """Gradients w.r.t. `train_params` in the stored layout: restacked when split."""
+        return stack_layers(grads)
+
     def loop_params(self, params, dtype):
         """Split per layer and cast to the compute dtype, once, outside the decode loop."""
         return unstack_layers(jax.tree.map(lambda a: a.astype(dtype), params))

@@ -250,7 +250,7 @@ def _pass(model, prefixes: list[list[int]], conts: list[list[list[int]]], pad_id
 
 
 def value_distribution(model, tokenizer, prefixes, tails=DEFAULT_TAIL, *, max_bytes: int = MAX_BYTES) -> np.ndarray:
-    """model: car_jax.models.api.Model (config, params, module, mesh); prefixes: B
+    """model: car_jax.loading.Model (config, params, module, mesh); prefixes: B
     token-id sequences, each ending right after a `<confidence>` tag (or before the tag's
     rest, which its tail then starts with: `confidence_prefix`); tails: one str.format
     pattern for all rows or one per row, with {} the value. -> float64[B, 101]

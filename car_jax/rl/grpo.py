@@ -36,14 +36,9 @@ class LossConfig:
     # policy-gradient term times min(pi_old / pi_sampler, tis_cap), the old policy's log-probs
     # recomputed by the trainer (needs rl.recompute_old_logp). None: off.
     tis_cap: float | None = None
-    # The rollout's log-prob temperature (logits / T, as sampled). Not a config key: the train
-    # step's builder sets it from its `temperature` argument (`steps.make_train_step`), so the
-    # episode config is its only source; the fused head (`head_loss`) reads it from here.
-    temperature: float = dataclasses.field(default=1.0, metadata={"config": False})
-    # Dr.GRPO's constant divisor (`seq-mean-token-sum-norm`): the most response tokens an
-    # episode can hold. Not a config key either: the builder sets it from the episode config
-    # (`EpisodeConfig.max_response_length`), never from a batch's padded width.
-    horizon: float | None = dataclasses.field(default=None, metadata={"config": False})
+    # The rollout's log-prob temperature and Dr.GRPO's horizon are no fields here: both come
+    # from the episode config, and the train step's builder takes them as arguments
+    # (`steps.make_train_step(..., temperature=, horizon=)`).
 
     def __post_init__(self):
         if not 0 <= self.clip_low < 1:
@@ -55,13 +50,9 @@ class LossConfig:
             raise ValueError(f"log_ratio_clamp={self.log_ratio_clamp} must be > 0")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (verl uses 3.0) or None")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0 (use 1.0 for greedy rollouts)")
         if self.tis_cap is not None and self.tis_cap < 1.0:
             raise ValueError(f"tis_cap={self.tis_cap} must be >= 1 (a cap below 1 shrinks even the tokens where "
                              f"sampler and trainer agree; verl's examples use 2.0) or None (off)")
-        if self.horizon is not None and self.horizon <= 0:
-            raise ValueError(f"horizon={self.horizon} must be > 0 (the episode's maximum response length)")
 
 
 def group_index(group_ids) -> np.ndarray:
@@ -76,7 +67,7 @@ def group_advantages(rewards: jax.Array, groups, *, std_norm: bool = True, eps: 
     """float32[B] advantages: (r - mean_g) / (std_g + eps) within each group, std with ddof=1
     (torch.std), and mean 0 / std 1 for a group of one (as verl). Without std_norm (Dr.GRPO)
     A = r - mean_g. rewards float32[B]; groups: int32[B] group numbers in [0, B) (jittable:
-    the trainer's device-side scoring, `calibration.sim`), or on the host any hashable ids
+    the trainer's device-side scoring, `rl.sim`), or on the host any hashable ids
     (numbered by `group_index` first).
 
     valid bool[B] (default all): the rows that take part. A group's mean and std are over
@@ -136,7 +127,7 @@ jax.tree_util.register_dataclass(Norm, data_fields=["tokens", "seqs", "horizon"]
 
 NO_HORIZON = ("loss aggregation seq-mean-token-sum-norm (Dr.GRPO) divides by a constant horizon, the "
               "configured maximum response length, and none was given: build the train step with "
-              "make_train_step(..., horizon=EpisodeConfig.max_response_length) (LossConfig.horizon), or "
+              "make_train_step(..., horizon=EpisodeConfig.max_response_length), or "
               "pass norm_of(mask, horizon)")
 
 

@@ -73,12 +73,12 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 def grpo_head_loss(h: jax.Array, w: jax.Array, tokens: jax.Array, old_logp: jax.Array, ref_logp: jax.Array,
                    advantages: jax.Array, mask: jax.Array, cfg: grpo.LossConfig, norm: grpo.Norm,
-                   chunk: int = 128, policy: ExecutionPolicy = PLAIN, sampler_logp: jax.Array | None = None
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   chunk: int = 128, policy: ExecutionPolicy = PLAIN, sampler_logp: jax.Array | None = None,
+                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [B, R, D] hidden states predicting tokens int32[B, R], w [D, V] the unembedding;
     old_logp / ref_logp / mask float32[B, R], advantages float32[B], sampler_logp
     float32[B, R] (needed with cfg.tis_cap). Returns (loss, logp, entropy): the loss equals
-    `grpo.grpo_loss` of the log-probs and entropies of softmax(h @ w / cfg.temperature)
+    `grpo.grpo_loss` of the log-probs and entropies of softmax(h @ w / temperature)
     (same Norm, same TIS weights; its gradient w.r.t. h and w is exact), and logp / entropy
     float32[B, R] come out without a gradient. `policy`: the model's execution policy (how
     the sums over V and the backward transposes are computed)."""
@@ -87,5 +87,5 @@ def grpo_head_loss(h: jax.Array, w: jax.Array, tokens: jax.Array, old_logp: jax.
     tis = grpo.tis_weights(old_logp, sampler_logp, cfg)
     tis = jnp.ones_like(old_logp) if tis is None else tis  # off: times 1, exactly the plain surrogate
     ctx = (old_logp, ref, adv, grpo.token_weights(mask, cfg.agg, norm), tis)
-    loss, logp, entropy = _fused(h, w, tokens, ctx, 1.0 / cfg.temperature, cfg, chunk, policy)
+    loss, logp, entropy = _fused(h, w, tokens, ctx, 1.0 / temperature, cfg, chunk, policy)
     return loss, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(entropy)

@@ -31,7 +31,6 @@ import numpy as np
 
 from car_jax.calibration.rewards import RewardInputs
 from car_jax.rl import grpo
-from car_jax.rollout.decode import SegmentOut
 from car_jax.rollout.episode import Trajectory
 from car_jax.rollout.generate import left_pad, length_bucket
 
@@ -96,16 +95,6 @@ def host_batch(trajs: Sequence[Trajectory], pad_id: int, *, keep: np.ndarray | N
 def longest(trajs: Sequence[Trajectory]) -> tuple[int, int]:
     """(longest prompt, longest response) of `trajs`, in tokens."""
     return max(len(t.prompt_ids) for t in trajs), max(len(t.response_ids) for t in trajs)
-
-
-def single_turn_batch(prompt_ids: Sequence[Sequence[int]], out: SegmentOut, pad_id: int, inputs: RewardInputs,
-                      groups: Sequence) -> HostBatch:
-    """`host_batch` for one tool-free turn per row: the row's sampled tokens and their
-    recorded log-probs from `generate_ids`, all kept, with the rows' reward inputs and
-    GRPO groups."""
-    trajs = [Trajectory(p, out.tokens[i, :out.length[i]], out.logp[i, :out.length[i]],
-                        np.ones(int(out.length[i]), bool)) for i, p in enumerate(prompt_ids)]
-    return host_batch(trajs, pad_id, inputs=inputs, groups=groups)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 
 from car_jax.config import require
 from car_jax.models.decoder import Decoder
-from car_jax.models.xla_cpu import stack_layers
 from car_jax.rl import grpo
 from car_jax.rl.head_loss import grpo_head_loss
 from car_jax.rl.logprobs import response_hidden, response_logprobs, unembedding
@@ -135,15 +134,15 @@ def micro_logprobs(module: Decoder, params, micro: Batch, temperature: float = 1
                              micro["valid"], _prompt_index(micro), temperature=temperature, chunk=chunk)
 
 
-def _micro_loss(params, module: Decoder, micro: Batch, cfg: grpo.LossConfig, norm: grpo.Norm):
-    """(loss, metrics) of one micro-batch: `grpo.grpo_loss` of its responses' log-probs,
-    with the loss fused into the vocabulary projection (`head_loss`)."""
+def _micro_loss(params, module: Decoder, micro: Batch, cfg: grpo.LossConfig, norm: grpo.Norm, temperature: float):
+    """(loss, metrics) of one micro-batch: `grpo.grpo_loss` of its responses' log-probs at
+    `temperature`, with the loss fused into the vocabulary projection (`head_loss`)."""
     h = response_hidden(module, params, micro["prompt"], micro["prompt_valid"], micro["tokens"], micro["valid"],
                         _prompt_index(micro))
     sampler = None if cfg.tis_cap is None else micro["sampler_logp"]
     loss, logp, entropy = grpo_head_loss(h, unembedding(module, params), micro["tokens"], micro["old_logp"],
                                          micro["ref_logp"], micro["advantages"], micro["mask"], cfg, norm,
-                                         policy=module.policy, sampler_logp=sampler)
+                                         policy=module.policy, sampler_logp=sampler, temperature=temperature)
     _, metrics = grpo.grpo_loss(logp, entropy, micro["old_logp"], micro["ref_logp"], micro["advantages"],
                                 micro["mask"], cfg, norm, sampler)
     return loss, metrics
@@ -170,14 +169,16 @@ def accumulate(module: Decoder, micro_loss, params, batch: Batch, horizon: float
     zeros = jax.tree.map(jnp.zeros_like, params)
     (grads, loss), metrics = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), batch)
     metrics = jax.tree.map(lambda m: m.sum(0), metrics)
-    return stack_layers(grads), metrics, loss
+    return module.policy.stored_grads(grads), metrics, loss
 
 
-def grads_and_metrics(module: Decoder, cfg: grpo.LossConfig, params, batch: Batch):
-    """(summed grads, metrics, loss) of the GRPO loss over the micro-batches of one mini-batch
-    (Dr.GRPO's horizon: cfg.horizon)."""
-    return accumulate(module, lambda p, micro, norm: _micro_loss(p, module, micro, cfg, norm), params, batch,
-                      cfg.horizon)
+def grads_and_metrics(module: Decoder, cfg: grpo.LossConfig, params, batch: Batch, *, temperature: float = 1.0,
+                      horizon: float | None = None):
+    """(summed grads, metrics, loss) of the GRPO loss over the micro-batches of one mini-batch:
+    log-probs at the rollout's `temperature`, Dr.GRPO's constant `horizon` (see
+    `make_train_step`)."""
+    return accumulate(module, lambda p, micro, norm: _micro_loss(p, module, micro, cfg, norm, temperature), params,
+                      batch, horizon)
 
 
 def _apply(optimizer: optax.GradientTransformation, state: TrainState, grads) -> TrainState:
@@ -196,23 +197,27 @@ def make_train_step(module: Decoder, optimizer: optax.GradientTransformation, cf
     `fsdp` and the state keeps `state_shardings`. Without one, the jitted function is shared
     by equal (module, optimizer, cfg, temperature, horizon), so a second run in the same
     process does not compile again."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (use 1.0 for greedy rollouts)")
+    if horizon is not None and horizon <= 0:
+        raise ValueError(f"horizon={horizon} must be > 0 (the episode's maximum response length)")
     if cfg.agg == "seq-mean-token-sum-norm" and horizon is None:
         raise ValueError(grpo.NO_HORIZON)
-    cfg = dataclasses.replace(cfg, temperature=temperature, horizon=horizon)
     if mesh is None:
-        return _unsharded_step(module, optimizer, cfg)
-    return _build_step(module, optimizer, cfg, mesh, state_shardings)
+        return _unsharded_step(module, optimizer, cfg, temperature, horizon)
+    return _build_step(module, optimizer, cfg, temperature, horizon, mesh, state_shardings)
 
 
 @functools.lru_cache(maxsize=8)
-def _unsharded_step(module, optimizer, cfg):
-    return _build_step(module, optimizer, cfg, None, None)
+def _unsharded_step(module, optimizer, cfg, temperature, horizon):
+    return _build_step(module, optimizer, cfg, temperature, horizon, None, None)
 
 
-def _build_step(module, optimizer, cfg, mesh, state_shardings):
+def _build_step(module, optimizer, cfg, temperature, horizon, mesh, state_shardings):
 
     def train_step(state: TrainState, batch: Batch):
-        grads, metrics, loss = grads_and_metrics(module, cfg, state.params, batch)
+        grads, metrics, loss = grads_and_metrics(module, cfg, state.params, batch, temperature=temperature,
+                                                 horizon=horizon)
         metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         return _apply(optimizer, state, grads), metrics
 

@@ -10,23 +10,18 @@ value fails at load time (`ConfigError` naming the dotted key), before any model
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Literal, Sequence
+from typing import Literal, Sequence
 
-import jax
-
-from car_jax import hosts
 from car_jax.calibration.rewards import RewardConfig
-from car_jax.config import ConfigError, require
-from car_jax.data.examples import check_split
-from car_jax.data.layouts import DatasetError
+from car_jax.config import require
+from car_jax.data.examples import split_of
 from car_jax.data.prompts import TEMPLATES
 from car_jax.models.config import DTYPES
 from car_jax.rl.grpo import LossConfig
 from car_jax.rl.steps import OptimConfig
 from car_jax.rollout.episode import EpisodeConfig
 from car_jax.rollout.toolbox import ToolsConfig
-from car_jax.sharding import make_mesh
+from car_jax.sharding import MeshConfig
 from car_jax.train.loggers import LOGGERS, WandbConfig
 
 MAX_GROUP = 1_000  # trajectories per prompt
@@ -49,54 +44,6 @@ class PolicyConfig:
     def __post_init__(self):
         for f in ("dtype", "param_dtype"):
             require(getattr(self, f) in DTYPES, f, getattr(self, f), f"a dtype name: one of {', '.join(DTYPES)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    fsdp: int = -1  # -1: the devices left after tp
-    tp: int = 1
-    devices: int = 0  # use the first N devices; 0 = all. With one device there is no mesh.
-
-    def __post_init__(self):
-        for f in ("fsdp", "tp"):
-            require(getattr(self, f) >= 1 or getattr(self, f) == -1, f, getattr(self, f),
-                    ">= 1, or -1 for the devices the other axis leaves")
-        require(self.tp != -1 or self.fsdp != -1, "tp", self.tp, "a size when fsdp=-1 (one axis at most may be -1)")
-        require(self.devices >= 0, "devices", self.devices, ">= 0 (0: all devices)")
-
-    def pick(self, available: Sequence[Any]) -> list:
-        """The devices the mesh spans: the first `devices` of `available` (all for 0). Raises
-        ConfigError naming mesh.devices when more are asked for than `available` holds, and
-        mesh.fsdp when fsdp x tp does not fit the devices picked (checked with two or more:
-        one device has no mesh)."""
-        n = self.devices or len(available)
-        if n > len(available):
-            raise ConfigError(f"mesh.devices: {self.devices} devices asked for, but only {len(available)} are "
-                              f"available; use at most {len(available)} (or 0 for all of them)")
-        known = math.prod(s for s in (self.fsdp, self.tp) if s != -1)
-        if n > 1 and (n % known or (-1 not in (self.fsdp, self.tp) and known != n)):
-            raise ConfigError(f"mesh.fsdp: fsdp={self.fsdp} x tp={self.tp} does not fit the {n} devices used "
-                              f"(mesh.devices={self.devices}, {len(available)} available): the product must be "
-                              f"{n}, or divide it with -1 for the axis that takes the rest")
-        return list(available[:n])
-
-    def build(self):
-        """The (fsdp, tp) jax Mesh over the picked devices of `jax.devices()`; None with one
-        device. With several processes the mesh must span all of them (`hosts.check_mesh`)."""
-        devices = self.pick(jax.devices())
-        mesh = make_mesh(self.fsdp, self.tp, devices) if len(devices) > 1 else None
-        hosts.check_mesh(mesh)
-        return mesh
-
-
-def split_of(source: str, split: str | None, key: str) -> None:
-    """A built-in dataset's split is checked with the config (`data.check_split`, no file
-    read): ValueError at `key`, `data.train_split: world has splits 'train' and 'dev', not 'dve'`.
-    Files and folders are checked when the run starts, before the model loads."""
-    try:
-        check_split(source, split)
-    except DatasetError as err:
-        raise ValueError(f"{key}={err}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +88,7 @@ class RLConfig:
     epochs: int = 1  # passes over each rollout batch
     adv_std_norm: bool = True  # False: Dr.GRPO advantages (no std division)
     recompute_old_logp: bool = False  # True: old log-probs from a forward pass instead of the sampler's
-    loss: LossConfig = LossConfig()  # its log-prob temperature is the rollout's, not a key here
+    loss: LossConfig = LossConfig()  # its log-prob temperature and horizon are the rollout's (make_train_step)
     optim: OptimConfig = OptimConfig(lr=1e-6, warmup_steps=0, grad_clip=1.0)
 
     def __post_init__(self):

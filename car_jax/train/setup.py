@@ -16,7 +16,7 @@ from car_jax.checkpoints.hub import resolve_model_path
 from car_jax.checkpoints.safetensors_io import CheckpointError
 from car_jax.checkpoints.sources import check_model_path
 from car_jax.config import ConfigError
-from car_jax.models.api import Model
+from car_jax.loading import Model
 from car_jax.models.config import UnsupportedConfigError
 from car_jax.rl.batches import make_scorer
 from car_jax.rl.steps import (
@@ -29,7 +29,8 @@ from car_jax.rl.steps import (
 )
 from car_jax.rollout.protocols import PROTOCOLS
 from car_jax.rollout.toolbox import Toolbox, open_tools
-from car_jax.train.config import MeshConfig, PolicyConfig, TrainConfig
+from car_jax.sharding import MeshConfig
+from car_jax.train.config import PolicyConfig, TrainConfig
 
 
 @dataclasses.dataclass

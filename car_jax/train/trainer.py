@@ -30,7 +30,7 @@ from car_jax.checkpoints.loader import save_hf_folder
 from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
 from car_jax.config import ConfigError, dump_config, save_config
 from car_jax.data import DatasetError, chance, load_dataset, make_prompt, world_retriever
-from car_jax.models.api import Model
+from car_jax.loading import Model
 from car_jax.models.policy import device_kind
 from car_jax.rl.batches import TrainBatch, chunked_logprobs, micro_batches, share_prompts, to_device
 from car_jax.rl.group_stats import group_stats

@@ -1,4 +1,8 @@
-"""The public model API: `load_model`, `load_tokenizer`, `save_hf`, and `Model`."""
+"""The public model API: `load_model`, `load_tokenizer`, `save_hf`, and `Model`.
+
+Loading sits above both `models` (the decoder) and `checkpoints` (the formats it reads and
+writes), so neither imports the other's way back (README, "Layout").
+"""
 from __future__ import annotations
 
 import dataclasses

@@ -5,7 +5,7 @@ a module listed here exposes `register(subparsers)` which adds its parsers and s
 A bad config (`car_jax.config.ConfigError`: an unknown key, a wrong type, a value out of
 range, a missing --config file, more mesh devices than there are, an incomplete
 multi-process environment: `car_jax/cli/distributed.py`) ends any command with
-one line on stderr, `car-jax train: error: rl.steps: -3 must be >= 1 ...`, and exit
+one line on stderr, `car-jax train: error: rl.steps: -3 must be >= 0 ...`, and exit
 status 2, as argparse does for bad arguments; so does a missing offline asset package
 (`car_jax.assets.MissingAssetError`, naming `car-jax assets`). Configs are checked before
 any model loads. `--config configs/X.yaml` that names no file where the command runs reads

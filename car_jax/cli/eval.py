@@ -55,12 +55,10 @@ def eval_command(args) -> int:
     return 0
 
 
-def _gate(cfg, tau: float) -> int:
-    from car_jax import hosts
+def check_gate(cfg, tau: float) -> None:
+    """`--gate TAU`'s checks before anything runs: TAU in [0, 1] and a tool mode (ConfigError)."""
     from car_jax.config import ConfigError
-    from car_jax.eval.gate import GATE_FILE, GATE_PLOT, TOOL_MODES, check_tau, format_curve, run_gate
-    from car_jax.eval.job import EvalSetupError
-    from car_jax.eval.runner import compare_table
+    from car_jax.eval.gate import TOOL_MODES, check_tau
 
     try:
         check_tau(tau)
@@ -68,6 +66,16 @@ def _gate(cfg, tau: float) -> int:
         raise ConfigError(str(err)) from None
     if cfg.mode not in TOOL_MODES:
         raise ConfigError(f"--gate needs a tool mode: mode=search or mode=tir, not mode={cfg.mode}")
+
+
+def _gate(cfg, tau: float) -> int:
+    from car_jax import hosts
+    from car_jax.config import ConfigError
+    from car_jax.eval.gate import GATE_FILE, GATE_PLOT, format_curve, run_gate
+    from car_jax.eval.job import EvalSetupError
+    from car_jax.eval.runner import compare_table
+
+    check_gate(cfg, tau)
     try:
         result = run_gate(cfg, tau)
     except EvalSetupError as err:

@@ -2,8 +2,8 @@
 experiment (`car_jax.experiment`): a shared SFT warm start, GRPO per reward arm and seed,
 greedy evaluations, then the report (RESULTS.md, results.json, figures).
 
-    car-jax experiment --config configs/experiment/world.yaml            # run or resume, then report
-    car-jax experiment --config configs/experiment/world.yaml --status   # which units are done
+    car-jax experiment --config configs/experiment/world_car.yaml            # run or resume, then report
+    car-jax experiment --config configs/experiment/world_car.yaml --status   # which units are done
     car-jax experiment --config ... --only train/car                      # units whose name starts so
     car-jax experiment --config ... --prune       # delete weights and checkpoints once nothing needs them
     car-jax experiment --config runs/experiment/experiment.yaml --report --report-to .

@@ -235,6 +235,14 @@ def _is_backend_query(node) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "platform"
 
 
+def python_output(code: str, timeout: int) -> str:
+    """The stripped stdout of `code` run by a fresh interpreter on the CPU backend (it must exit 0)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
 def test_importing_the_package_leaves_the_backend_unstarted():
     """A multi-process run calls jax.distributed.initialize after importing car_jax (the CLI,
     or a user's script): no module may start the XLA backend when imported."""
@@ -242,10 +250,7 @@ def test_importing_the_package_leaves_the_backend_unstarted():
             "for m in pkgutil.walk_packages(car_jax.__path__, 'car_jax.'):\n"
             "    if not m.name.split('.')[-1].startswith('_'): importlib.import_module(m.name)\n"
             "print(sorted(xb._backends))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    assert python_output(code, timeout=300) == "[]"
 
 
 def test_imports_sit_at_the_top_outside_cli():
@@ -269,10 +274,7 @@ def test_dir_lists_the_lazy_exports_before_they_load():
             "print(sorted(set(car_jax._EXPORTS) - set(car_jax.__all__)))\n"
             "print(sorted(set(car_jax.__all__) - set(vars(car_jax))))\n"
             "print(sorted(set(car_jax.__all__) - set(dir(car_jax))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    not_in_all, unloaded, not_in_dir = out.stdout.strip().splitlines()
+    not_in_all, unloaded, not_in_dir = python_output(code, timeout=120).splitlines()
     assert not_in_all == "[]"
     assert "'load_model'" in unloaded  # lazy: not in the module's namespace yet ...
     assert not_in_dir == "[]"  # ... but dir() shows it

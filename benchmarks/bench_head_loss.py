@@ -31,7 +31,7 @@ def main() -> None:
 
     from car_jax.models.policy import backend_policy
     from car_jax.rl import grpo
-    from car_jax.rl.head_loss import grpo_head_loss
+    from car_jax.rl.head_loss import HeadSpec, grpo_head_loss
     from car_jax.rl.logprobs import chunked_head
 
     d, v, b = 576, 49152, args.rows
@@ -45,14 +45,14 @@ def main() -> None:
         y = jnp.asarray(rng.integers(0, v, (b, n)), jnp.int32)
         old = jnp.asarray(rng.normal(-10.8, 0.1, (b, n)), jnp.float32)
         ref, adv, mask = old + 0.01, jnp.asarray(rng.normal(size=b), jnp.float32), jnp.ones((b, n), jnp.float32)
-        norm = grpo.norm_of(mask)
+        norm, targets = grpo.norm_of(mask), grpo.LossTargets(old, ref, adv, mask)
 
         def autodiff(h, w):
             logp, ent = chunked_head(h, y, w, 1.0, policy=policy)
-            return grpo.grpo_loss(logp, ent, old, ref, adv, mask, cfg, norm)[0]
+            return grpo.grpo_loss(logp, ent, targets, cfg, norm)[0]
 
         def fused(h, w):
-            return grpo_head_loss(h, w, y, old, ref, adv, mask, cfg, norm, policy=policy)[0]
+            return grpo_head_loss(h, w, y, targets, cfg, norm, HeadSpec(policy=policy))[0]
 
         times = []
         for fn in (autodiff, fused):

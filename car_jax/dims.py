@@ -8,6 +8,7 @@ Model and cache
   L  layers            D  model width         F  MLP width          V  vocabulary
   N  query heads       K  kv heads            G  query heads per kv head (N // K)
   H  head dim
+  r  a LoRA adapter's rank (`model.lora.rank`; lower case: it is a config size, never a batch axis)
 
 Training batches and GRPO
   U  distinct prompts of a batch            P  prompt length (left-padded)
@@ -22,12 +23,3 @@ Rollout and calibration
 A GRPO group's size is a config value (`group_size`), written out in words: it is never an
 array dimension (rows of a group share a prompt through an index, not an axis).
 """
-
-LETTERS = {
-    "B": "batch rows", "T": "tokens of one forward call", "S": "KV-cache slots", "W": "cache window",
-    "L": "layers", "D": "model width", "F": "MLP width", "V": "vocabulary", "N": "query heads",
-    "K": "kv heads", "G": "query heads per kv head", "H": "head dim", "U": "distinct prompts",
-    "P": "prompt length", "R": "response length", "M": "micro-batches", "C": "positions per vocabulary chunk",
-    "X": "flattened token rows", "E": "EOS ids", "A": "stop automata", "Z": "automaton states",
-    "Q": "confidence bins",
-}

@@ -2,7 +2,8 @@
 
 The mesh has two axes: `fsdp` (parameters and batch split for data parallel training
 with sharded weights) and `tp` (tensor parallel: heads, mlp width and vocab split).
-Parameters name their dimensions with logical axes (PARAM_AXES); a rules table maps
+Parameters name their dimensions with logical axes (PARAM_AXES, read from their
+declarations in `car_jax.params`); a rules table maps
 logical axes to mesh axes, with a training variant (weights split over fsdp too) and a
 sampling variant (weights only split over tp, so a decode step needs no weight gather).
 Modules never build specs themselves: they read this table. `MeshConfig` is the configs'
@@ -20,33 +21,13 @@ from jax.sharding import PartitionSpec as P
 
 from car_jax import hosts
 from car_jax.config import ConfigError, require
+from car_jax.params import DECLARED
 
 MESH_AXES = ("fsdp", "tp")
 
-# param path (joined with "/", under "params") -> logical axis per dimension
-PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "final_norm": ("norm",),
-    "layers/input_norm": ("layers", "norm"),
-    "layers/post_attn_norm": ("layers", "norm"),
-    "layers/attn/q": ("layers", "embed", "heads", "head_dim"),
-    "layers/attn/k": ("layers", "embed", "kv_heads", "head_dim"),
-    "layers/attn/v": ("layers", "embed", "kv_heads", "head_dim"),
-    "layers/attn/o": ("layers", "heads", "head_dim", "embed"),
-    "layers/attn/q_bias": ("layers", "heads", "head_dim"),
-    "layers/attn/k_bias": ("layers", "kv_heads", "head_dim"),
-    "layers/attn/v_bias": ("layers", "kv_heads", "head_dim"),
-    "layers/attn/o_bias": ("layers", "norm"),
-    "layers/attn/q_norm": ("layers", "head_dim"),
-    "layers/attn/k_norm": ("layers", "head_dim"),
-    "layers/mlp/gate": ("layers", "embed", "mlp"),
-    "layers/mlp/up": ("layers", "embed", "mlp"),
-    "layers/mlp/down": ("layers", "mlp", "embed"),
-    "layers/mlp/gate_bias": ("layers", "mlp"),
-    "layers/mlp/up_bias": ("layers", "mlp"),
-    "layers/mlp/down_bias": ("layers", "norm"),
-}
+# param path (joined with "/", under "params") -> logical axis per dimension, stacked
+# params with their leading "layers": {"layers/attn/q": ("layers", "embed", "heads", "head_dim"), ...}
+PARAM_AXES: dict[str, tuple[str, ...]] = {p.path: p.logical for p in DECLARED}
 
 # activations and caches, by name -> logical axes
 DATA_AXES: dict[str, tuple[str, ...]] = {
@@ -159,7 +140,7 @@ def _check_divisible(name: str, shape: Sequence[int], logical: Sequence[str], me
 def param_sharding(path: str, shape: Sequence[int], mesh: Mesh, mode: str = "train") -> NamedSharding:
     """NamedSharding of the parameter at `path` ("layers/attn/q"), checked for divisibility."""
     if path not in PARAM_AXES:
-        raise ShardingError(f"parameter {path!r} has no entry in car_jax.sharding.PARAM_AXES")
+        raise ShardingError(f"parameter {path!r} is not declared in car_jax.params (no PARAM_AXES entry)")
     logical = PARAM_AXES[path]
     _check_divisible(path, shape, logical, mesh, mode)
     return NamedSharding(mesh, spec_for(logical, mode))
@@ -206,12 +187,6 @@ def params_shardings(params: Mapping[str, Any], mesh: Mesh, mode: str = "train")
     """A pytree of NamedShardings matching `params` (arrays or ShapeDtypeStructs)."""
     flat = flatten_params(params)
     return unflatten_params({p: param_sharding(p, x.shape, mesh, mode) for p, x in flat.items()})
-
-
-def shard_params(params: Mapping[str, Any], mesh: Mesh, mode: str = "train") -> dict[str, Any]:
-    """Places an in-memory params pytree on the mesh according to the table."""
-    shardings = params_shardings(params, mesh, mode)
-    return jax.tree.map(jax.device_put, params, shardings)
 
 
 def rows_constraint(x: jax.Array, like: jax.Array | None = None) -> jax.Array:

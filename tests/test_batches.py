@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import car_jax
-from car_jax.calibration.rewards import RewardConfig, RewardInputs, reward_fn
+from car_jax.calibration.rewards import OverlongConfig, RewardConfig, RewardInputs, overlong_fn, reward_fn
 from car_jax.config import ConfigError, dump_config, load_config
 from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
@@ -249,3 +249,21 @@ def test_tis_needs_recomputed_old_logprobs():
     cfg = load_config(TrainConfig, None, ["rl.loss.tis_cap=2", "rl.recompute_old_logp=true"])
     assert cfg.rl.loss.tis_cap == 2.0 and load_config(TrainConfig, None, []).rl.loss.tis_cap is None
     assert "horizon" not in dump_config(TrainConfig())["rl"]["loss"]  # set from the episode config only
+
+
+def test_scorer_adds_the_overlong_shaping_of_the_sampled_tokens():
+    """DAPO's soft overlong penalty (`rewards.overlong_fn`) of each row's model-written
+    tokens (its mask: not the observation tokens) is added before the advantages."""
+    _, host = make_host(n=8)
+    sampled = host.mask.sum(-1)
+    assert len(set(sampled.tolist())) >= 4  # lengths on every branch of the ramp below
+    top, buffer = int(sampled.max()) - 1, 3
+    shaping = overlong_fn(OverlongConfig(buffer=buffer, max_tokens=top, factor=0.5), budget=1000)
+    plain, r0 = make_scorer(reward_fn(RewardConfig(kind="brier")), True)(to_device(host, None))
+    shaped, r1 = make_scorer(reward_fn(RewardConfig(kind="brier")), True, shaping=shaping)(to_device(host, None))
+    want = [0.0 if n <= top - buffer else (-0.5 if n > top else 0.5 * (top - buffer - n) / buffer) for n in sampled]
+    np.testing.assert_allclose(np.asarray(r1) - np.asarray(r0), want, atol=1e-6)
+    assert min(want) == -0.5 and max(want) == 0.0 and any(-0.5 < w < 0 for w in want)
+    want_a = grpo.group_advantages(np.asarray(r1), host.group)
+    np.testing.assert_allclose(np.asarray(shaped.advantages), want_a, rtol=1e-5, atol=1e-5)
+    assert overlong_fn(OverlongConfig(), budget=1000) is None  # buffer 0: off

@@ -158,7 +158,7 @@ def test_convert_of_a_missing_source_is_one_line(tmp_path, capsys):
 
 def test_eval_folder_with_samples_names_output_resume(tmp_path, capsys, no_model):
     from car_jax.data import load_dataset
-    from car_jax.eval.runner import evaluate
+    from car_jax.eval.runner import EvalOptions, evaluate
 
     (tmp_path / "samples.jsonl").write_text('{"id": "x"}\n')
     assert main(["eval", f"output.dir={tmp_path}"]) == 2
@@ -166,7 +166,7 @@ def test_eval_folder_with_samples_names_output_resume(tmp_path, capsys, no_model
                                    "pass output.resume=true")
     assert "--resume" not in err
     with pytest.raises(FileExistsError) as e:  # the library's own check says the key too
-        evaluate(None, None, load_dataset("world", limit=1), mode="direct", out_dir=tmp_path)
+        evaluate(None, None, load_dataset("world", limit=1), EvalOptions(mode="direct"), out_dir=tmp_path)
     assert "output.resume=true" in str(e.value) and "--resume" not in str(e.value)
 
 

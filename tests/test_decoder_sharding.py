@@ -62,7 +62,7 @@ def test_prefill_and_decode_on_the_mesh_equal_one_device(policy, fsdp, tp):
     module = Decoder(CFG, policy=policy)
     params = random_params(module)
     mesh = car_jax.make_mesh(fsdp=fsdp, tp=tp)
-    out, cache = rollout(module, shd.shard_params(params, mesh, "train"), mesh)
+    out, cache = rollout(module, jax.device_put(params, shd.params_shardings(params, mesh, "train")), mesh)
     ref, ref_cache = rollout(module, jax.tree.map(jnp.asarray, params), None)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(out.length), np.full(B, STEPS))

@@ -91,8 +91,8 @@ def test_scripted_eval_files_and_metrics(scripted, tmp_path):
             ("answer 4", 70, False), ("wrong", "lots", True)]
     for e, (a, c, ok) in zip(examples, rows):
         script[e.question] = _search_text(a, c, ok)
-    summary = ev.evaluate(None, None, examples, mode="search", tools={"search": lambda q: q}, out_dir=tmp_path,
-                          batch_size=4, n_boot=200, info={"data": "toy"})
+    summary = ev.evaluate(None, None, examples, ev.EvalOptions(mode="search", batch_size=4, n_boot=200),
+                          tools={"search": lambda q: q}, out_dir=tmp_path, info={"data": "toy"})
     assert [len(c["questions"]) for c in calls] == [4, 2]
     samples = _lines(tmp_path / "samples.jsonl")
     assert [s["id"] for s in samples] == [e.id for e in examples]
@@ -123,19 +123,19 @@ def test_crash_then_resume(scripted, tmp_path):
         script[e.question] = _search_text(e.golden_answers[0], 75)
     script[examples[4].question] = "CRASH"  # the second batch dies
     with pytest.raises(RuntimeError, match="simulated crash"):
-        ev.evaluate(None, None, examples, mode="search", tools={"search": len}, out_dir=tmp_path,
-                    batch_size=3, n_boot=0)
+        ev.evaluate(None, None, examples, ev.EvalOptions(mode="search", batch_size=3, n_boot=0),
+                    tools={"search": len}, out_dir=tmp_path)
     assert [s["id"] for s in _lines(tmp_path / "samples.jsonl")] == ["toy-0", "toy-1", "toy-2"]
     with open(tmp_path / "samples.jsonl", "a") as f:
         f.write('{"id": "toy-3", "question": "torn li')  # a write cut short by the crash
     with pytest.raises(FileExistsError, match="resume"):
-        ev.evaluate(None, None, examples, mode="search", tools={"search": len}, out_dir=tmp_path)
+        ev.evaluate(None, None, examples, ev.EvalOptions(mode="search"), tools={"search": len}, out_dir=tmp_path)
     with pytest.raises(ValueError, match="mode"):
-        ev.evaluate(None, None, examples, mode="direct", out_dir=tmp_path, resume=True)
+        ev.evaluate(None, None, examples, ev.EvalOptions(mode="direct", resume=True), out_dir=tmp_path)
     script[examples[4].question] = _search_text("nope", 20)
     calls.clear()
-    summary = ev.evaluate(None, None, examples, mode="search", tools={"search": len}, out_dir=tmp_path,
-                          batch_size=3, resume=True, n_boot=0)
+    summary = ev.evaluate(None, None, examples, ev.EvalOptions(mode="search", batch_size=3, resume=True, n_boot=0),
+                          tools={"search": len}, out_dir=tmp_path)
     assert [q for c in calls for q in c["questions"]] == [e.question for e in examples[3:]]
     samples = _lines(tmp_path / "samples.jsonl")  # the torn line is gone, every id once
     assert [s["id"] for s in samples] == [e.id for e in examples]
@@ -149,7 +149,7 @@ def test_direct_and_tir_modes(scripted, tmp_path):
     qa = _toy_examples(2)
     script[qa[0].question] = "<think> hm </think>\n<answer> answer 0 </answer>\n<confidence> 55 </confidence>"
     script[qa[1].question] = "no tags at all"
-    ev.evaluate(None, None, qa, mode="direct", out_dir=tmp_path / "direct", n_boot=0)
+    ev.evaluate(None, None, qa, ev.EvalOptions(mode="direct", n_boot=0), out_dir=tmp_path / "direct")
     assert calls[-1]["config"].max_turns == 0  # one segment, no tool
     samples = _lines(tmp_path / "direct" / "samples.jsonl")
     assert [(s["correct"], s["format_ok"], s["confidence"]) for s in samples] == [(True, True, 0.55), (False, False, 0.0)]
@@ -159,15 +159,15 @@ def test_direct_and_tir_modes(scripted, tmp_path):
             QAExample("m-1", "Simplify 6/8.", ("\\frac{3}{4}",), "toy", "m-1", task="math")]
     script["What is 6 * 7?"] = "```python\nprint(6 * 7)\n```\n```output\n42\n```\n<confidence> 95 </confidence>\n\\boxed{42}"
     script["Simplify 6/8."] = "It is \\boxed{0.7}"
-    ev.evaluate(None, None, math, mode="tir", tools={"code": len}, out_dir=tmp_path / "tir", n_boot=0)
+    ev.evaluate(None, None, math, ev.EvalOptions(mode="tir", n_boot=0), tools={"code": len}, out_dir=tmp_path / "tir")
     samples = _lines(tmp_path / "tir" / "samples.jsonl")
     assert [(s["correct"], s["format_ok"], s["answer"]) for s in samples] == [(True, True, "42"), (False, False, "0.7")]
     with pytest.raises(ValueError, match="mode 'tir' scores math"):
-        ev.evaluate(None, None, qa, mode="tir", tools={"code": len}, out_dir=tmp_path / "x")
+        ev.evaluate(None, None, qa, ev.EvalOptions(mode="tir"), tools={"code": len}, out_dir=tmp_path / "x")
     with pytest.raises(ValueError, match="needs a 'search' tool"):
-        ev.evaluate(None, None, qa, mode="search", out_dir=tmp_path / "y")
+        ev.evaluate(None, None, qa, ev.EvalOptions(mode="search"), out_dir=tmp_path / "y")
     with pytest.raises(ValueError, match="unknown eval mode 'guess'"):
-        ev.evaluate(None, None, qa, mode="guess", out_dir=tmp_path / "z")
+        ev.evaluate(None, None, qa, ev.EvalOptions(mode="guess"), out_dir=tmp_path / "z")
 
 
 def test_summarize_minimal_rows(tmp_path):
@@ -205,8 +205,8 @@ def test_tiny_model_search_then_cli_resume(tiny, smollm2_short, tmp_path, monkey
     cfg = dataclasses.replace(ev.EVAL_EPISODE, max_turns=1, max_response_tokens=8, max_obs_tokens=32)
     out = tmp_path / "out"
     try:
-        first = ev.evaluate(model, tok, examples[:3], mode="search", tools={"search": retriever},
-                            episode_config=cfg, out_dir=out, batch_size=3, n_boot=50, progress=False)
+        options = ev.EvalOptions(mode="search", episode=cfg, batch_size=3, n_boot=50, progress=False)
+        first = ev.evaluate(model, tok, examples[:3], options, tools={"search": retriever}, out_dir=out)
     finally:
         retriever.close()
     assert first["run"]["new_examples"] == 3 and len(_lines(out / "samples.jsonl")) == 3
@@ -239,8 +239,9 @@ def test_smollm2_direct(smollm2_short, tmp_path):
     model, tok = car_jax.load_model(smollm2_short), car_jax.load_tokenizer(smollm2_short)
     cfg = dataclasses.replace(ev.EVAL_EPISODE, max_response_tokens=32)
     examples = load_dataset("world", limit=8)
-    summary = ev.evaluate(model, tok, examples, mode="direct", episode_config=cfg, out_dir=tmp_path,
-                          batch_size=8, n_boot=100, progress=False)
+    summary = ev.evaluate(model, tok, examples,
+                          ev.EvalOptions(mode="direct", episode=cfg, batch_size=8, n_boot=100, progress=False),
+                          out_dir=tmp_path)
     samples = _lines(tmp_path / "samples.jsonl")
     assert len(samples) == 8 and all(s["response"].strip() for s in samples)  # it really wrote text
     assert all(s["n_turns"] == 1 and s["n_tool_calls"] == 0 for s in samples)
@@ -315,8 +316,8 @@ def scripted_ids(monkeypatch):
 def test_expected_and_sampled_confidence_in_summary_and_samples(agent, scripted_ids, tmp_path):
     model, tok = agent
     examples = _toy_examples(4)
-    summary = ev.evaluate(model, tok, examples, mode="direct", out_dir=tmp_path, batch_size=4, n_boot=50,
-                          samples=2, sample_top_p=0.9, seed=3, info={"data": "toy"})
+    options = ev.EvalOptions(mode="direct", batch_size=4, n_boot=50, samples=2, sample_top_p=0.9, seed=3)
+    summary = ev.evaluate(model, tok, examples, options, out_dir=tmp_path, info={"data": "toy"})
     greedy, sampled = scripted_ids
     assert greedy["config"].temperature == 0 and greedy["seed"] == 3
     assert (sampled["config"].temperature, sampled["config"].top_p, sampled["config"].top_k) == (1.0, 0.9, 0)
@@ -397,8 +398,9 @@ def test_eval_config_samples_keys_reach_evaluate(monkeypatch, tmp_path):
             load_config(EvalConfig, None, [bad])
     seen = {}
     monkeypatch.setattr(job, "load_eval_model", lambda model_cfg, mesh: (None, None, "a model"))
-    monkeypatch.setattr(job, "evaluate", lambda *args, **kwargs: seen.update(kwargs) or {})
+    monkeypatch.setattr(job, "evaluate", lambda model, tok, examples, options, **_: seen.update(options=options) or {})
     job.run_eval(cfg, progress=False)
-    assert (seen["samples"], seen["sample_top_p"]) == (3, 0.5)
+    assert (seen["options"].samples, seen["options"].sample_top_p, seen["options"].mode) == (3, 0.5, "direct")
+    assert seen["options"] == job.eval_options(cfg, progress=False)
     with pytest.raises(ValueError, match="samples=-2 must be >= 0"):
-        ev.evaluate(None, None, _toy_examples(1), mode="direct", out_dir=tmp_path / "x", samples=-2)
+        ev.evaluate(None, None, _toy_examples(1), ev.EvalOptions(mode="direct", samples=-2), out_dir=tmp_path / "x")

@@ -19,7 +19,7 @@ from car_jax.models.decoder import Decoder
 from car_jax.models.layers import Block
 from car_jax.models.policy import PLAIN, XLA_CPU
 from car_jax.rl import grpo
-from car_jax.rl.logprobs import response_logprobs
+from car_jax.rl.logprobs import Prompts, response_logprobs
 from car_jax.rl.steps import grads_and_metrics
 from tests.test_policy import V, _batch
 
@@ -202,7 +202,8 @@ def test_train_step_equals_with_blockwise_attention(params):
     responses, blocks that divide neither P = 8 nor P + R = 20): the responses' log-probs,
     loss, metrics and every gradient as with dense attention."""
     batch = _batch()
-    micro = [batch[k][0] for k in ("prompt", "prompt_valid", "tokens", "valid", "prompt_index")]
+    prompts = Prompts(*(batch[k][0] for k in ("prompt", "prompt_valid", "prompt_index")))
+    micro = (prompts, batch["tokens"][0], batch["valid"][0])
     loss_cfg = grpo.LossConfig(kl_coef=0.01, entropy_coef=0.01)
 
     @partial(jax.jit, static_argnums=0)

@@ -91,7 +91,7 @@ def test_the_trainer_logs_the_steps_perf():
     host = host_batch(trajs, 0)
     rl = dataclasses.replace(RLConfig(), epochs=2, recompute_old_logp=True, loss=LossConfig(kl_coef=0.01))
     trainer = SimpleNamespace(cfg=dataclasses.replace(TrainConfig(), rl=rl),
-                              s=SimpleNamespace(model=SimpleNamespace(config=CFG, mesh=None)))
+                              setup=SimpleNamespace(model=SimpleNamespace(config=CFG, mesh=None)))
     perf = Trainer._perf_metrics(trainer, trajs, host, 0.5)
     assert set(perf) == {"perf/model_tflops_per_device", "perf/mfu"}
     # update: prompts of 3 and 2 tokens once, responses of 4, 2, 1, 3

@@ -1,4 +1,5 @@
 """GRPO math against an independent numpy re-derivation (verl's definitions)."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -126,8 +127,8 @@ def test_loss_matches_numpy(mode, kl_type, dual, tis_cap):
     cfg = grpo.LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=dual, kl_coef=0.05, kl_type=kl_type,
                           entropy_coef=0.01, agg=mode, tis_cap=tis_cap)
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    loss, metrics = grpo.grpo_loss(f(logp), f(ent), f(old), f(ref), f(adv), f(mask), cfg,
-                                   grpo.norm_of(f(mask), horizon), f(sampler))
+    loss, metrics = grpo.grpo_loss(f(logp), f(ent), grpo.LossTargets(f(old), f(ref), f(adv), f(mask), f(sampler)),
+                                   cfg, grpo.norm_of(f(mask), horizon))
     expected = np_loss(logp, old, ref, adv, ent, mask, 0.2, 0.28, dual, 0.05, kl_type, 0.01, mode, horizon,
                        sampler, tis_cap)
     assert abs(float(loss) - expected) <= 1e-6 * max(1, abs(expected))
@@ -141,14 +142,15 @@ def test_hand_worked_clipping():
     cfg = grpo.LossConfig(kl_coef=0.0, dual_clip=3.0)
     norm = grpo.norm_of(jnp.ones((1, 1)))
     one = lambda x: jnp.array([[x]], jnp.float32)  # noqa: E731
+    targets = lambda a: grpo.LossTargets(one(0.0), None, jnp.array([a]), one(1.0))  # noqa: E731
     # ratio e^0.5 = 1.6487 with A = +1: clipped at 1.2 -> loss -1.2
-    loss, m = grpo.policy_loss(one(0.5), one(0.0), jnp.array([1.0]), one(1.0), cfg, norm)
+    loss, m = grpo.policy_loss(one(0.5), targets(1.0), cfg, norm)
     assert float(loss) == pytest.approx(-1.2) and float(m["pg_clipfrac"]) == 1.0
     # ratio e^-0.5 = 0.6065 with A = +1: pessimistic max(-0.6065, -0.8) -> -0.6065, no clip
-    loss, m = grpo.policy_loss(one(-0.5), one(0.0), jnp.array([1.0]), one(1.0), cfg, norm)
+    loss, m = grpo.policy_loss(one(-0.5), targets(1.0), cfg, norm)
     assert float(loss) == pytest.approx(-np.exp(-0.5), rel=1e-6) and float(m["pg_clipfrac"]) == 0.0
     # ratio e^2 = 7.389 with A = -1: max(7.389, 1.2) = 7.389, dual clip caps at 3
-    loss, m = grpo.policy_loss(one(2.0), one(0.0), jnp.array([-1.0]), one(1.0), cfg, norm)
+    loss, m = grpo.policy_loss(one(2.0), targets(-1.0), cfg, norm)
     assert float(loss) == pytest.approx(3.0) and float(m["pg_clipfrac_lower"]) == 1.0
 
 
@@ -161,14 +163,14 @@ def test_tis_hand_worked():
     one = lambda x: jnp.array([[x]], jnp.float32)  # noqa: E731
     kl = 0.5 * (-1.0 - -1.3)  # k1 = logp - ref
     for sampler, weight in [(-1.0 - np.log(3.0), 2.0), (-1.0 - np.log(1.5), 1.5), (-1.0 + np.log(2.0), 0.5)]:
-        loss, m = grpo.grpo_loss(one(-1.0), one(2.0), one(-1.0), one(-1.3), jnp.array([1.0]), one(1.0), cfg, norm,
-                                 one(sampler))
+        targets = grpo.LossTargets(one(-1.0), one(-1.3), jnp.array([1.0]), one(1.0), one(sampler))
+        loss, m = grpo.grpo_loss(one(-1.0), one(2.0), targets, cfg, norm)
         assert float(m["pg_loss"]) == pytest.approx(-weight, rel=1e-6)
         assert float(loss) == pytest.approx(-weight - 0.1 * 2.0 + kl, rel=1e-6)
         assert float(m["pg_clipfrac"]) == 0.0 and float(m["ppo_kl"]) == 0.0
     off = grpo.LossConfig(kl_coef=0.5, kl_type="k1", entropy_coef=0.1)  # TIS off: the sampler is not read
-    loss, _ = grpo.grpo_loss(one(-1.0), one(2.0), one(-1.0), one(-1.3), jnp.array([1.0]), one(1.0), off, norm,
-                             one(-9.0))
+    targets = grpo.LossTargets(one(-1.0), one(-1.3), jnp.array([1.0]), one(1.0), one(-9.0))
+    loss, _ = grpo.grpo_loss(one(-1.0), one(2.0), targets, off, norm)
     assert float(loss) == pytest.approx(-1.0 - 0.2 + kl, rel=1e-6)
 
 
@@ -199,4 +201,85 @@ def test_bad_settings():
         grpo.LossConfig(tis_cap=0.5)
     x = jnp.zeros((1, 1))
     with pytest.raises(ValueError, match="tis_cap=2.0 .*sampler_logp"):
-        grpo.grpo_loss(x, x, x, x, jnp.zeros(1), x + 1, grpo.LossConfig(tis_cap=2.0), grpo.norm_of(x))
+        grpo.grpo_loss(x, x, grpo.LossTargets(x, x, jnp.zeros(1), x + 1), grpo.LossConfig(tis_cap=2.0),
+                       grpo.norm_of(x))
+
+
+# ---------------------------------------------------------------- GSPO (rl.loss.ratio = sequence)
+def np_gspo(logp, old, adv, mask, low, high, tis=None):
+    """GSPO as its paper states it (Zheng et al. 2025, eqs. 5-7): s_i = exp(mean over the
+    response's tokens of log pi - log pi_old), J = mean over responses of min(s_i A_i,
+    clip(s_i, 1 - low, 1 + high) A_i); the loss is -J. With TIS weights (car_jax's addition)
+    each token's term is weighted and the response's tokens averaged. Also the gradient
+    d loss / d logp: -A_i s_i w_t / (n_i N) where the unclipped term is the minimum, else 0
+    (both terms' gradients at a tie: s_i inside the range, where they are equal)."""
+    n = mask.sum(-1)
+    rows = n > 0
+    s = np.exp(np.where(rows, ((logp - old) * mask).sum(-1) / np.maximum(n, 1), 0.0))
+    unclipped, clipped = s * adv, np.clip(s, 1 - low, 1 + high) * adv
+    w = np.ones_like(logp) if tis is None else tis
+    per_token = -np.minimum(unclipped, clipped)[:, None] * w
+    loss = sum((per_token[i] * mask[i]).sum() / n[i] for i in np.flatnonzero(rows)) / rows.sum()
+    live = (unclipped <= clipped) | ((s >= 1 - low) & (s <= 1 + high))
+    grad = np.where(live[:, None], -(adv * s)[:, None] * w * mask / (np.maximum(n, 1)[:, None] * rows.sum()), 0.0)
+    return loss, grad, s
+
+
+@pytest.mark.parametrize("tis_cap", [None, 1.5])
+def test_gspo_value_and_gradient_equal_the_paper_in_numpy(tis_cap):
+    b, t = 8, 7
+    rng = np.random.default_rng(3)
+    logp = rng.normal(-2, 1, size=(b, t))
+    old = logp + rng.normal(0, 0.08, size=(b, t))  # sequence ratios on both sides of the clip range
+    sampler = old + rng.normal(0, 0.5, size=(b, t))
+    adv = rng.normal(size=b)
+    mask = (rng.uniform(size=(b, t)) < 0.8).astype(np.float64)
+    mask[3] = 0  # a response with no sampled token
+    cfg = grpo.LossConfig(ratio="sequence", agg="seq-mean-token-mean", seq_clip_low=0.02, seq_clip_high=0.03,
+                          kl_coef=0.0, tis_cap=tis_cap)
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    targets = grpo.LossTargets(f(old), None, f(adv), f(mask), f(sampler))
+    norm = grpo.norm_of(f(mask))
+    loss, grad = jax.value_and_grad(lambda lp: grpo.grpo_loss(lp, f(np.zeros((b, t))), targets, cfg, norm)[0])(f(logp))
+    tis = None if tis_cap is None else np.minimum(np.exp(old - sampler), tis_cap)
+    want, want_grad, s = np_gspo(logp, old, adv, mask, 0.02, 0.03, tis)
+    assert float(loss) == pytest.approx(want, rel=1e-5, abs=1e-7)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7)
+    rows = mask.sum(-1) > 0
+    binding = rows & (np.clip(s, 0.98, 1.03) * adv < s * adv)  # the clipped term is the minimum
+    assert binding.any() and (rows & ~binding).any()  # both branches of the clip
+    assert np.all(want_grad[binding] == 0) and np.all(np.abs(want_grad[rows & ~binding]).sum(-1) > 0)
+
+
+def test_gspo_equals_the_sequence_level_objective_under_autodiff():
+    """Without TIS the token-written surrogate (`sequence_old_logp`) has the value and the
+    autodiff gradient of the sequence-level objective written directly: s_i from the
+    log-probs, clipped per response, -mean_i min(s_i A_i, clip(s_i) A_i)."""
+    b, t = 6, 9
+    rng = np.random.default_rng(4)
+    logp = jnp.asarray(rng.normal(-2, 1, size=(b, t)), jnp.float32)
+    old = logp + jnp.asarray(rng.normal(0, 0.05, size=(b, t)), jnp.float32)
+    adv = jnp.asarray(rng.normal(size=b), jnp.float32)
+    mask = jnp.asarray(rng.uniform(size=(b, t)) < 0.7, jnp.float32)
+    cfg = grpo.LossConfig(ratio="sequence", agg="seq-mean-token-mean", seq_clip_low=0.01, seq_clip_high=0.015,
+                          kl_coef=0.0)
+
+    def sequence_level(lp):
+        n = mask.sum(-1)
+        s = jnp.exp(((lp - old) * mask).sum(-1) / jnp.maximum(n, 1.0))
+        j = jnp.minimum(s * adv, jnp.clip(s, 1 - 0.01, 1 + 0.015) * adv)
+        return -jnp.where(n > 0, j, 0.0).sum() / (n > 0).sum()
+
+    ours = lambda lp: grpo.policy_loss(lp, grpo.LossTargets(old, None, adv, mask), cfg, grpo.norm_of(mask))[0]  # noqa: E731
+    np.testing.assert_allclose(float(ours(logp)), float(sequence_level(logp)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(ours)(logp)), np.asarray(jax.grad(sequence_level)(logp)),
+                               rtol=1e-5, atol=1e-8)
+
+
+def test_gspo_settings():
+    with pytest.raises(ValueError, match="agg='token-mean' must be seq-mean-token-mean with ratio=sequence"):
+        grpo.LossConfig(ratio="sequence")
+    with pytest.raises(ValueError, match="seq_clip_low=1.0"):
+        grpo.LossConfig(ratio="sequence", agg="seq-mean-token-mean", seq_clip_low=1.0)
+    cfg = grpo.LossConfig(ratio="sequence", agg="seq-mean-token-mean")
+    assert cfg.clip_bounds == (3e-4, 4e-4) and grpo.LossConfig().clip_bounds == (0.2, 0.2)

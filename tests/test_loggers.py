@@ -106,7 +106,7 @@ def test_wandb_offline_run_holds_the_steps_config_and_samples(tmp_path, offline_
     logged = {5: ({"reward": 0.5, "kl": np.float32(0.25), "n": 3, "time/step": 1.5}, SAMPLES),
               6: ({"reward": float("nan"), "kl": float("inf"), "n": 4, "time/step": 2.0}, ()),
               7: ({"reward": -1.0, "kl": 0.125, "n": 5, "time/step": 0.5}, SAMPLES[::-1])}
-    with MetricsLogger(run_dir, loggers=("wandb",), config=config, initial_step=4,
+    with MetricsLogger(run_dir, loggers=("wandb",), config=config,
                        wandb=WandbConfig(project="car-test", name="tiny", tags=("a", "b"))) as log:
         for step, (metrics, samples) in logged.items():
             log.log(step, metrics, samples=samples)

@@ -50,7 +50,8 @@ def setup():
         trajs.append(Trajectory(prompts[i // 2], rng.integers(0, 64, size=r), rng.normal(-4, 0.2, size=r),
                                 rng.uniform(size=r) < 0.85))
     # placed from the host arrays: splitting a device array compiles a slicing program per weight shape
-    return module, params, mesh, shd.shard_params(host_params, mesh), host_batch(trajs, 0)
+    sharded = jax.device_put(host_params, shd.params_shardings(host_params, mesh))
+    return module, params, mesh, sharded, host_batch(trajs, 0)
 
 
 def sharded_fn(module, mesh, sharded_params):

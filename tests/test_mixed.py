@@ -219,11 +219,11 @@ def test_tiny_mixed_training_run(agent, cache, tmp_path, monkeypatch):
     assert (cfg.rollout.protocol, cfg.data.template, cfg.data.train_split) == ("mixed", "mixed", "mixed_train")
     trainer = trainer_mod.Trainer(cfg)
     calls = {"search": 0, "code": 0}
-    for name, tool in list(trainer.s.toolbox.tools.items()):
-        trainer.s.toolbox.tools[name] = _counted(tool, name, calls)
+    for name, tool in list(trainer.setup.toolbox.tools.items()):
+        trainer.setup.toolbox.tools[name] = _counted(tool, name, calls)
     hosts_seen, scores = [], []  # the step's HostBatch; its scorer's (batch, rewards)
     trainer.rollout = _recorded(trainer.rollout, hosts_seen, lambda out: out[1])
-    trainer.s.score = _recorded(trainer.s.score, scores, lambda out: out)
+    trainer.setup.score = _recorded(trainer.setup.score, scores, lambda out: out)
     rows = trainer.run()
     assert [r["step"] for r in rows] == [1]
     [host], [(batch, rewards)] = hosts_seen, scores

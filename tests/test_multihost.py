@@ -95,8 +95,8 @@ def test_the_sft_result_keeps_the_sharding_table_layout(tiny_folder, tmp_path):
     step refuses any other layout of its inputs."""
     args = [a for a in train_args(tiny_folder, tmp_path)[1:] if not a.startswith("sft.")]
     trainer = Trainer(load_config(TrainConfig, None, [*args, "sft.steps=1", "sft.batch=8", "sft.data=world"]))
-    params = flatten_params(trainer.s.state.params)
-    want = flatten_params(params_shardings(trainer.s.state.params, trainer.s.model.mesh))
+    params = flatten_params(trainer.setup.state.params)
+    want = flatten_params(params_shardings(trainer.setup.state.params, trainer.setup.model.mesh))
     assert [p for p, x in params.items() if not x.sharding.is_equivalent_to(want[p], x.ndim)] == []
-    trainer.s.toolbox.close()
+    trainer.setup.toolbox.close()
     trainer.warm_ckpt.close()

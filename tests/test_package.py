@@ -17,8 +17,8 @@ POLICY_MODULE = "car_jax.models.policy"  # the one place that asks which backend
 EXTRA_MODULES = {"tensorflow_datasets", "wandb", "bm25s"}
 # car_jax's packages (a subpackage, or a module at the top) from the bottom up: each imports only
 # those before it, so none imports its way back. README.md's "Layout" lists them in this order.
-LAYERS = ("config", "dims", "hosts", "assets", "sharding", "calibration", "models", "checkpoints", "loading",
-          "tools", "data", "rollout", "rl", "eval", "train", "plan", "experiment", "cli")
+LAYERS = ("config", "dims", "params", "hosts", "assets", "sharding", "calibration", "models", "checkpoints",
+          "loading", "tools", "data", "rollout", "rl", "eval", "train", "plan", "experiment", "cli")
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -20,7 +20,7 @@ from car_jax.models.config import ModelConfig
 from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN, XLA_CPU, backend_policy, plain_tied_unembed
 from car_jax.rl import grpo
-from car_jax.rl.logprobs import response_logprobs
+from car_jax.rl.logprobs import Prompts, response_logprobs
 from car_jax.rl.steps import grads_and_metrics
 from car_jax.rollout.decode import DecodeLoop
 from car_jax.rollout.generate import left_pad
@@ -174,7 +174,7 @@ def test_train_step_gradients_agree(tied, dtype):
 def test_response_logprobs_agree(pair):
     cfg, params, _ = pair
     micro = {k: v[0] for k, v in _batch().items()}
-    args = (micro["prompt"], micro["prompt_valid"], micro["tokens"], micro["valid"], micro["prompt_index"])
+    args = (Prompts(micro["prompt"], micro["prompt_valid"], micro["prompt_index"]), micro["tokens"], micro["valid"])
     fn = jax.jit(response_logprobs, static_argnums=0, static_argnames="temperature")  # as the steps run it
     got = [np.asarray(fn(Decoder(cfg, policy=p), params, *args, temperature=0.8)[0]) for p in (PLAIN, XLA_CPU)]
     np.testing.assert_allclose(got[0], got[1], atol=1e-5)

@@ -2,6 +2,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -141,12 +142,14 @@ def test_brier_overlap_only_at_weight_one(q_right, q_wrong, w):
     assert r[0] >= np.float32(1 - w) - 1e-6 > 0.0 >= r[1]
 
 
-@pytest.mark.parametrize("bad", [
-    dict(kind="log"), dict(b1=0.0), dict(b2=-1.0), dict(weight=0.0), dict(weight=1.5),
-    dict(format_penalty=-0.1),
+@pytest.mark.parametrize("bad, message", [
+    (dict(kind="log"), "kind='log' must be one of binary"), (dict(b1=0.0), r"b1=0\.0 must be > 0"),
+    (dict(b2=-1.0), r"b2=-1\.0 must be > 0"), (dict(weight=0.0), r"weight=0\.0 must be in \(0, 1\]"),
+    (dict(weight=1.5), r"weight=1\.5 must be in \(0, 1\]"),
+    (dict(format_penalty=-0.1), r"format_penalty=-0\.1 must be >= 0"),
 ])
-def test_config_validation(bad):
-    with pytest.raises(ValueError):
+def test_config_validation(bad, message):
+    with pytest.raises(ValueError, match=message):
         rewards.RewardConfig(**bad)
 
 
@@ -282,3 +285,31 @@ def test_each_row_is_scored_by_its_own_task():
     assert not rewards.reward_inputs(responses, [["paris"], ["0.75"]], task="math").correct[0]
     with pytest.raises(ValueError, match="tasks"):
         rewards.reward_inputs(responses, [["paris"], ["0.75"]], task=["qa"])
+
+
+def test_overlong_penalty_is_dapos_ramp():
+    """DAPO eq. 13 at L_max = 20, L_cache = 4: 0 up to 16 tokens, then (16 - |y|) / 4 down to
+    -1 at 20, -1 beyond; times the factor."""
+    lengths = np.arange(0, 26)
+    want = np.array([0.0 if n <= 16 else ((16 - n) / 4 if n <= 20 else -1.0) for n in lengths])
+    got = rewards.overlong_penalty(jnp.asarray(lengths), max_tokens=20, buffer=4, factor=0.7)
+    np.testing.assert_allclose(np.asarray(got), 0.7 * want, atol=1e-7)
+    assert want[18] == -0.5 and want[20] == -1.0
+    fn = rewards.overlong_fn(rewards.OverlongConfig(buffer=4), budget=20)  # L_max from the budget
+    np.testing.assert_allclose(np.asarray(fn(jnp.asarray(lengths))), want, atol=1e-7)
+    with pytest.raises(ValueError, match="overlong.buffer=30 must be <= overlong.max_tokens"):
+        rewards.overlong_fn(rewards.OverlongConfig(buffer=30), budget=20)
+    with pytest.raises(ValueError, match="buffer=-1 must be >= 0"):
+        rewards.OverlongConfig(buffer=-1)
+
+
+def test_an_overlong_buffer_beyond_the_cap_names_the_key():
+    from car_jax.config import ConfigError, load_config
+    from car_jax.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="reward.overlong.buffer"):
+        load_config(TrainConfig, None, ["rollout.max_turns=1", "rollout.max_response_tokens=10",
+                                        "reward.overlong.buffer=25"])
+    cfg = load_config(TrainConfig, None, ["rollout.max_turns=1", "rollout.max_response_tokens=10",
+                                          "reward.overlong.buffer=20"])
+    assert cfg.reward.overlong.buffer == 20

@@ -29,14 +29,14 @@ def test_group_advantages_match_numpy():
     np.testing.assert_allclose(got.mean(1), 0, atol=1e-6)
     # ddof=1: the sample std of the advantages is 1 (up to eps) in every non-constant group
     np.testing.assert_allclose(np.delete(got, 2, 0).std(1, ddof=1), 1, rtol=1e-4)
-    dr = np.asarray(sim.group_advantages(jnp.asarray(r), std_normalize=False))
+    dr = np.asarray(sim.group_advantages(jnp.asarray(r), std_norm=False))
     np.testing.assert_allclose(dr, r - r.mean(1, keepdims=True), atol=1e-6)
     # the trainer's host version (arbitrary group ids) agrees on the [P, G] layout
     ids = np.repeat(np.arange(r.shape[0]), r.shape[1])
     for std in (True, False):
         np.testing.assert_allclose(
             grpo.group_advantages(r.ravel(), ids, std_norm=std).reshape(r.shape),
-            sim.group_advantages(jnp.asarray(r), std_normalize=std), rtol=1e-5, atol=1e-6)
+            sim.group_advantages(jnp.asarray(r), std_norm=std), rtol=1e-5, atol=1e-6)
 
 
 def test_q_star_numeric_matches_analytic():
@@ -86,7 +86,7 @@ def test_sample_frequencies_follow_the_policy():
 def family():
     """Rows: MSCR (b1 = b2 = 1), binary, MSCR (b1 = 4, b2 = 0.25); one compile per config."""
     return {norm: sim.run_family(cfg, THETAS, KEY) for norm, cfg in
-            [("grpo", CFG), ("dr_grpo", dataclasses.replace(CFG, std_normalize=False))]}
+            [("grpo", CFG), ("dr_grpo", dataclasses.replace(CFG, std_norm=False))]}
 
 
 def test_deterministic_for_a_seed(family):

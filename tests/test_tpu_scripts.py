@@ -287,15 +287,17 @@ def test_known_gcloud_flags_and_the_words_after_double_dash_are_passed_on(env):
     assert "unexpected argument 'extra'" in refused([str(SCRIPT_DIR / "create.sh"), "extra"], env)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["configs/tiny_test.yaml", "rl.kl_cof=0.1"], "unknown key 'rl.kl_cof'"),
-    (["configs/tiny_test.yaml", "data.train_split=dve"], "data.train_split: world has splits 'train' and 'dev'"),
-    (["configs/no_such.yaml"], "--config: config file 'configs/no_such.yaml' does not exist"),
+@pytest.mark.parametrize("args, message, dry", [
+    (["configs/tiny_test.yaml", "rl.kl_cof=0.1"], "unknown key 'rl.kl_cof'", []),
+    (["configs/tiny_test.yaml", "rl.kl_cof=0.1"], "unknown key 'rl.kl_cof'", ["--dry-run"]),
+    (["configs/tiny_test.yaml", "data.train_split=dve"], "data.train_split: world has splits 'train' and 'dev'", []),
+    (["configs/no_such.yaml"], "--config: config file 'configs/no_such.yaml' does not exist", ["--dry-run"]),
 ])
-def test_launch_checks_the_config_before_reaching_gcloud(args, message, env):
-    for dry in ([], ["--dry-run"]):
-        line = refused([str(SCRIPT_DIR / "launch.sh"), *dry, *args], env)
-        assert line.startswith(f"car-jax train: error: {message}"), line
+def test_launch_checks_the_config_before_reaching_gcloud(args, message, dry, env):
+    """A bad config stops launch.sh, with or without --dry-run (each check starts a Python
+    that imports car_jax: one run per case, both modes covered)."""
+    line = refused([str(SCRIPT_DIR / "launch.sh"), *dry, *args], env)
+    assert line.startswith(f"car-jax train: error: {message}"), line
 
 
 def test_launch_no_check_skips_the_local_check(env):

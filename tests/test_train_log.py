@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from car_jax.train.log import METRICS_FILE, MetricsLogger, Timer, read_metrics
+from car_jax.train.log import METRICS_FILE, MetricsLogger, Progress, Timer, read_metrics
 
 
 def _tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
@@ -34,7 +34,7 @@ def _tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 
 def test_jsonl_round_trip_and_tensorboard(tmp_path):
     t0 = time.time()
-    with MetricsLogger(tmp_path, total_steps=3) as log:
+    with MetricsLogger(tmp_path, progress=Progress(3)) as log:
         log.log(1, {"reward": 0.5, "kl": np.float32(0.25), "n": 3,
                     "acc": jnp.asarray(0.75), "flag": True})
         log.log(2, {"reward": float("nan"), "kl": float("inf"), "ece": -math.inf})
@@ -103,8 +103,7 @@ def test_bad_lines_and_values(tmp_path):
 
 
 def test_progress_bar_tracks_steps(tmp_path):
-    with MetricsLogger(tmp_path, loggers=(), total_steps=10, initial_step=4,
-                       show=("reward", "missing")) as log:
+    with MetricsLogger(tmp_path, loggers=(), progress=Progress(10, initial_step=4, show=("reward", "missing"))) as log:
         log.log(5, {"reward": 0.123456, "kl": 1.0})
         log.log(7, {"reward": 0.5})
         bar = log._bar

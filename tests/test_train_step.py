@@ -51,6 +51,11 @@ def tiny():
     return module, params
 
 
+def place(params, mesh):
+    """params placed on `mesh` in the sharding table's train layout."""
+    return jax.device_put(params, shd.params_shardings(params, mesh, "train"))
+
+
 def make_trajs(n=8, group=2, seed=0):
     """n trajectories, `group` per prompt, with prompts of 2..5 tokens, responses of 1..8
     tokens (some positions observations: loss mask 0) and random sampler log-probs."""
@@ -231,7 +236,10 @@ HORIZON = 300.0  # Dr.GRPO's horizon in the accumulation tests
 
 
 def accumulation_cfg(agg):
-    """The loss of the accumulation tests (one config each, so the width-16 step compiles once)."""
+    """The loss of the accumulation tests (one config each, so the width-16 step compiles once);
+    "gspo": GSPO's sequence ratio (`rl.loss.ratio=sequence`) through the fused head."""
+    if agg == "gspo":
+        return grpo.LossConfig(agg="seq-mean-token-mean", ratio="sequence", kl_coef=0.01, entropy_coef=0.01)
     return grpo.LossConfig(agg=agg, kl_coef=0.01, entropy_coef=0.01, dual_clip=3.0)
 
 
@@ -239,7 +247,7 @@ def accumulation_cfg(agg):
 accumulated = jax.jit(grads_and_metrics, static_argnums=(0, 1), static_argnames=("temperature", "horizon"))
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "gspo"])
 def test_micro_batch_accumulation_is_exact(tiny, agg):
     module, params = tiny
     cfg = accumulation_cfg(agg)
@@ -298,7 +306,7 @@ def test_sharded_step_equals_unsharded(tiny):
     s1, m1 = plain(init_state(jax.tree.map(jnp.copy, params), opt), batch)  # donates its state
 
     mesh = car_jax.make_mesh(fsdp=4, tp=2)
-    sharded_params = shd.shard_params(jax.tree.map(jnp.copy, params), mesh, "train")
+    sharded_params = place(jax.tree.map(jnp.copy, params), mesh)
     state = init_state(sharded_params, opt, mesh)
     state_sh = state_shardings(state)
     step = make_train_step(module, opt, cfg, mesh, state_sh, temperature=1.0)
@@ -322,7 +330,7 @@ def test_init_state_splits_the_moments_like_the_params(tiny):
     _, params = tiny
     opt = make_optimizer(STEP_OPTIM)
     mesh = car_jax.make_mesh(fsdp=4, tp=2)
-    state = init_state(shd.shard_params(jax.tree.map(jnp.copy, params), mesh, "train"), opt, mesh)
+    state = init_state(place(jax.tree.map(jnp.copy, params), mesh), opt, mesh)
     adam = state.opt_state[1][0]  # chain(clip, adamw): adamw = chain(scale_by_adam, weight decay, lr)
     assert isinstance(adam, optax.ScaleByAdamState)
     for moment in (adam.mu, adam.nu):
@@ -343,7 +351,7 @@ def test_checkpoint_with_replicated_moments_restores_split(tiny, tmp_path):
     _, params = tiny
     opt = make_optimizer(STEP_OPTIM)
     mesh = car_jax.make_mesh(fsdp=4, tp=2)
-    state = init_state(shd.shard_params(jax.tree.map(jnp.copy, params), mesh, "train"), opt, mesh)
+    state = init_state(place(jax.tree.map(jnp.copy, params), mesh), opt, mesh)
     rng = np.random.default_rng(0)
     old = state.replace(opt_state=jax.tree.map(  # random moments, replicated as the old init_state left them
         lambda x: jax.device_put(rng.normal(size=x.shape).astype(x.dtype), NamedSharding(mesh, P())), state.opt_state))
@@ -487,7 +495,7 @@ def run_update(tiny, recorded, overrides, train_step=None):
     opt = make_optimizer(STEP_OPTIM)
     trainer = Trainer.__new__(Trainer)
     trainer.cfg = cfg
-    trainer.s = Setup(model=Model(CFG, None, module), tokenizer=None,
+    trainer.setup = Setup(model=Model(CFG, None, module), tokenizer=None,
                       state=init_state(jax.tree.map(jnp.copy, params), opt), ref_params=jax.tree.map(jnp.copy, params),
                       train_step=train_step or make_train_step(module, opt, STEP_LOSS, temperature=1.0),
                       logprob_fn=make_logprob_fn(module, 1.0), score=None, toolbox=None, protocol=None)

@@ -94,7 +94,7 @@ def run(opts: Options, part: Part) -> dict:
     steady = statistics.median(times[1:]) if len(times) > 1 else float("nan")
     full_run = recipe_steps()
     out = {"config": str(CONFIG.relative_to(CONFIG.parents[2])), "unit": f"train/{ARM}-s{SEED}",
-           "model": tc.model.path or "embedded SmolLM2-135M-Instruct", "policy": trainer.s.model.module.policy.name,
+           "model": tc.model.path or "embedded SmolLM2-135M-Instruct", "policy": trainer.setup.model.module.policy.name,
            "rows_a_step": tc.rl.prompts_per_step * tc.rollout.group_size, "steps": rows,
            "first_step_s": times[0] if times else float("nan"), "steady_step_s": steady,
            "recipe_steps": full_run,

@@ -1,6 +1,6 @@
 """Host-side parsing of a trajectory's response text: answer, confidence, format, correctness.
 
-Everything here is plain Python on strings (the host side of DESIGN.md's host/device line);
+Everything here is plain Python on strings, on the host (the device never sees text);
 the jitted reward math lives in `car_jax.calibration.rewards`.
 
 What text these functions expect (car_jax's decision): **the response part only** -- the
@@ -18,7 +18,6 @@ import dataclasses
 import math
 import re
 import string
-from collections import Counter
 from typing import Sequence
 
 from math_verify import parse, verify
@@ -173,25 +172,6 @@ def exact_match(prediction: str, golds: Sequence[str]) -> bool:
     """True when the normalized prediction equals any normalized gold answer."""
     pred = normalize_answer(prediction)
     return any(pred == normalize_answer(g) for g in golds)
-
-
-def token_f1(prediction: str, golds: Sequence[str]) -> float:
-    """SQuAD token F1 of the normalized prediction, maximized over the gold answers.
-
-    When either side normalizes to no tokens, F1 is 1.0 if both do, else 0.0. No golds: 0.0.
-    """
-    pred = normalize_answer(prediction).split()
-    best = 0.0
-    for g in golds:
-        gold = normalize_answer(g).split()
-        if not pred or not gold:
-            best = max(best, float(pred == gold))
-            continue
-        same = sum((Counter(pred) & Counter(gold)).values())
-        if same:
-            p, r = same / len(pred), same / len(gold)
-            best = max(best, 2 * p * r / (p + r))
-    return best
 
 
 # ---------------------------------------------------------------- correctness: math

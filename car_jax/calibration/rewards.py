@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax.calibration import parsing, pieces
+from car_jax.config import require
 
 RewardFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -79,6 +80,46 @@ def mscr(correct, q, format_ok, b1=1.0, b2=1.0, format_penalty=0.5) -> jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
+class OverlongConfig:
+    """DAPO's overlong reward shaping (Yu et al. 2025, "DAPO", eq. 13): a response of |y|
+    model-written tokens gets R_length = 0 up to L_max - L_cache, then
+    (L_max - L_cache - |y|) / L_cache, falling linearly to -1 at L_max, and -1 beyond; times
+    `factor`, added to the reward (`overlong_penalty`). A soft penalty over the last tokens
+    before the cap instead of a cliff."""
+    buffer: int = 0  # L_cache: the tokens before L_max over which the penalty ramps; 0: off
+    max_tokens: int = 0  # L_max; 0: the rollout's model-token budget, (max_turns + 1) x max_response_tokens
+    factor: float = 1.0  # the penalty at L_max
+
+    def __post_init__(self):
+        require(self.buffer >= 0, "buffer", self.buffer, ">= 0 (tokens over which the penalty ramps; 0: off)")
+        require(self.max_tokens >= 0, "max_tokens", self.max_tokens,
+                ">= 0 (0: the rollout's budget of model-written tokens)")
+        require(self.factor >= 0, "factor", self.factor, ">= 0 (the penalty at the cap)")
+
+
+def overlong_penalty(lengths: jax.Array, max_tokens: int, buffer: int, factor: float = 1.0) -> jax.Array:
+    """DAPO's soft overlong penalty (`OverlongConfig`) of int[B] response lengths -> f32[B]:
+    0 for |y| <= max_tokens - buffer, factor * (max_tokens - buffer - |y|) / buffer up to
+    max_tokens, -factor beyond."""
+    n = jnp.asarray(lengths, jnp.float32)
+    ramp = (max_tokens - buffer - n) / max(buffer, 1)
+    r = jnp.where(n <= max_tokens - buffer, 0.0, jnp.where(n <= max_tokens, ramp, -1.0))
+    return (factor * r).astype(jnp.float32)
+
+
+def overlong_fn(cfg: OverlongConfig, budget: int):
+    """lengths int[B] -> f32[B], the penalty of `cfg` with L_max = cfg.max_tokens or `budget`
+    (the rollout's model-token budget); None when shaping is off (buffer 0). Raises
+    ValueError when the buffer does not fit below L_max."""
+    if not cfg.buffer:
+        return None
+    top = cfg.max_tokens or budget
+    require(cfg.buffer <= top, "overlong.buffer", cfg.buffer,
+            f"<= overlong.max_tokens ({top}: the penalty ramps over the last buffer tokens before it)")
+    return functools.partial(overlong_penalty, max_tokens=top, buffer=cfg.buffer, factor=cfg.factor)
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardConfig:
     """Which reward and its hyperparameters. Fields a kind does not use are ignored."""
 
@@ -87,17 +128,15 @@ class RewardConfig:
     b2: float = 1.0
     weight: float = 0.5  # weighted_brier's w
     format_penalty: float = 0.5  # lambda_f
+    overlong: OverlongConfig = OverlongConfig()  # DAPO's soft penalty near the length cap (training only)
 
     def __post_init__(self):
-        if self.kind not in ("binary", "brier", "weighted_brier", "mscr"):
-            raise ValueError(f"kind={self.kind!r} must be one of binary, brier, weighted_brier, mscr")
+        require(self.kind in ("binary", "brier", "weighted_brier", "mscr"), "kind", self.kind,
+                "one of binary, brier, weighted_brier, mscr")
         for f in ("b1", "b2"):
-            if not getattr(self, f) > 0:
-                raise ValueError(f"{f}={getattr(self, f)} must be > 0 (mscr)")
-        if not 0 < self.weight <= 1:
-            raise ValueError(f"weight={self.weight} must be in (0, 1] (weighted_brier)")
-        if not self.format_penalty >= 0:
-            raise ValueError(f"format_penalty={self.format_penalty} must be >= 0")
+            require(getattr(self, f) > 0, f, getattr(self, f), "> 0 (mscr)")
+        require(0 < self.weight <= 1, "weight", self.weight, "in (0, 1] (weighted_brier)")
+        require(self.format_penalty >= 0, "format_penalty", self.format_penalty, ">= 0")
 
 
 def reward_fn(cfg: RewardConfig) -> RewardFn:

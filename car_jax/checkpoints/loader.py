@@ -26,6 +26,7 @@ from car_jax import hosts
 from car_jax import sharding as shd
 from car_jax.checkpoints.safetensors_io import CheckpointError, write_safetensors
 from car_jax.checkpoints.table import IGNORED_SUFFIXES, Entry, entries, hf_names
+from car_jax.models import lora
 from car_jax.models.config import ModelConfig
 
 FLOAT_DTYPES = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(jnp.bfloat16)}
@@ -200,12 +201,18 @@ def check_finite(params: dict[str, Any], cfg: ModelConfig, where: str | os.PathL
 
 
 def hf_tensors(params: dict[str, Any], cfg: ModelConfig, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array) pairs of a params tree, one parameter gathered at a time. In a
-    multi-process run each gather is a collective (`hosts.gather_full`): every process
+    """(HF name, array) pairs of a params tree, one parameter gathered at a time. A tree
+    holding LoRA adapters (`models.lora.join`) yields its adapted weights merged,
+    W + (alpha / r) A B, each merged just before its gather (one merged weight at a time).
+    In a multi-process run each gather is a collective (`hosts.gather_full`): every process
     must consume the whole iterator, in the same order."""
-    flat = shd.flatten_params(params)
+    base, adapters = lora.split(params)
+    flat, flat_adapters = shd.flatten_params(base), shd.flatten_params(adapters)
+    if flat_adapters and cfg.lora.rank == 0:
+        raise ValueError("the params hold LoRA adapters but the model config has lora.rank=0; pass the config the "
+                         "adapters were made for (ModelConfig.lora) to export them merged")
     for entry in entries(cfg):
-        x = hosts.gather_full(flat[entry.path])
+        x = hosts.gather_full(lora.merged_weight(entry.path, flat[entry.path], flat_adapters, cfg))
         if dtype is not None:
             x = x.astype(dtype)
         names = hf_names(entry, cfg)
@@ -219,9 +226,10 @@ def save_hf_folder(params: dict[str, Any], cfg: ModelConfig, out_dir: str | os.P
 
     In a multi-process run every process must call it (each parameter is gathered with a
     collective); only process 0 (`hosts.is_writer`) writes, the others gather and write
-    nothing. Returns `out_dir` in every process."""
+    nothing. Params with LoRA adapters are written merged (`hf_tensors`; the adapters alone:
+    `checkpoints.peft.save_peft_folder`). Returns `out_dir` in every process."""
     out = Path(out_dir)
-    first = next(iter(shd.flatten_params(params).values()))
+    first = shd.flatten_params(params)[entries(cfg)[0].path]
     save_dtype = np.dtype(dtype or first.dtype)
     tensors = hf_tensors(params, cfg, save_dtype)
     if not hosts.is_writer():

@@ -1,9 +1,11 @@
 """The conversion table: Hugging Face tensor name <-> car_jax param path, with layouts.
 
 Each entry gives the HF name (with `{i}` for the layer index when the param is stacked
-over layers), the param path in car_jax's params tree, the HF shape, and its Layout. HF
-stores linear weights as [out, in]; car_jax keeps einsum-ready kernels ([D, N, H] for q,
-[N, H, D] for o, [D, F] for gate/up, [F, D] for down).
+over layers), the param path in car_jax's params tree, and its Layout; the rest is the
+param's declaration in `car_jax.params`: whether a config has it (`when`), whether it is
+stacked, its shape, and so the HF shape (the declared shape of one layer mapped back through
+the Layout: `Layout.hf_shape`). HF stores linear weights as [out, in]; car_jax keeps
+einsum-ready kernels ([D, N, H] for q, [N, H, D] for o, [D, F] for gate/up, [F, D] for down).
 
 A Layout says how the HF tensor becomes the param: one HF axis of [n*H] rows (n heads
 of H) may be split into [n, H], then the axes are permuted. The whole-tensor transforms
@@ -14,11 +16,12 @@ follow from those two fields, so they cannot disagree.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from car_jax.models.config import ModelConfig
+from car_jax.params import Param, declared
 
 Range = tuple[int, int]  # [start, stop) of one axis, step 1
 
@@ -39,6 +42,17 @@ class Layout:
 
     def _permute(self, seq: Sequence) -> tuple:
         return tuple(seq) if self.perm is None else tuple(seq[p] for p in self.perm)
+
+    def hf_shape(self, jax_shape: Sequence[int]) -> tuple[int, ...]:
+        """The HF shape of a param of `jax_shape`: the permutation undone, then the split
+        [n, H] axes merged into [n*H] rows. q: [D, N, H] -> [N, H, D] -> [N*H, D]."""
+        shape = tuple(jax_shape)
+        if self.perm is not None:
+            shape = tuple(shape[j] for j in np.argsort(self.perm))
+        if self.heads is None:
+            return shape
+        a = self.heads
+        return (*shape[:a], shape[a] * shape[a + 1], *shape[a + 2:])
 
     def jax_shape(self, hf_shape: Sequence[int], head_dim: int) -> tuple[int, ...]:
         return self._permute(self.split_shape(hf_shape, head_dim))
@@ -99,18 +113,33 @@ class Layout:
 @dataclasses.dataclass(frozen=True)
 class Entry:
     hf_name: str  # "model.layers.{i}.self_attn.q_proj.weight"
-    path: str  # "layers/attn/q"
-    hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+    path: str  # "layers/attn/q", declared in car_jax.params
     layout: Layout  # one HF tensor <-> one param (one layer of it if stacked)
-    when: Callable[[ModelConfig], bool] = lambda c: True
+
+    def __post_init__(self):
+        if ("{i}" in self.hf_name) != self.param.stacked:
+            raise ValueError(f"{self.hf_name}: a layer index {{i}} belongs in the HF name exactly when "
+                             f"{self.path} is stacked over layers")
+
+    @property
+    def param(self) -> Param:
+        return declared(self.path)
 
     @property
     def stacked(self) -> bool:
-        return "{i}" in self.hf_name
+        return self.param.stacked
+
+    def when(self, cfg: ModelConfig) -> bool:
+        """Whether a model of this config has the tensor."""
+        return self.param.when(cfg)
+
+    def hf_shape(self, cfg: ModelConfig) -> tuple[int, ...]:
+        """The HF tensor's shape (one layer's if stacked)."""
+        return self.layout.hf_shape(self.param.shape(cfg))
 
     def jax_shape(self, cfg: ModelConfig) -> tuple[int, ...]:
-        one = self.layout.jax_shape(self.hf_shape(cfg), cfg.head_dim)
-        return (cfg.n_layers, *one) if self.stacked else one
+        """The param's shape in the params tree (with the leading L if stacked)."""
+        return self.param.full_shape(cfg)
 
     def to_jax(self, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
         """One whole HF tensor -> the param (one layer of it if stacked)."""
@@ -138,40 +167,27 @@ _HEADS_OUT = Layout(heads=1, perm=(1, 2, 0))  # o [D, N*H] -> [D, N, H] -> [N, H
 _L = "model.layers.{i}."
 
 TABLE: tuple[Entry, ...] = (
-    Entry("model.embed_tokens.weight", "embed", lambda c: (c.vocab_size, c.d_model), _SAME),
-    Entry("lm_head.weight", "lm_head", lambda c: (c.vocab_size, c.d_model), _T,
-          when=lambda c: not c.tie_embeddings),
-    Entry("model.norm.weight", "final_norm", lambda c: (c.d_model,), _SAME),
-    Entry(_L + "input_layernorm.weight", "layers/input_norm", lambda c: (c.d_model,), _SAME),
-    Entry(_L + "post_attention_layernorm.weight", "layers/post_attn_norm", lambda c: (c.d_model,), _SAME),
-    Entry(_L + "self_attn.q_proj.weight", "layers/attn/q", lambda c: (c.n_heads * c.head_dim, c.d_model), _HEADS_IN),
-    Entry(_L + "self_attn.k_proj.weight", "layers/attn/k", lambda c: (c.n_kv_heads * c.head_dim, c.d_model),
-          _HEADS_IN),
-    Entry(_L + "self_attn.v_proj.weight", "layers/attn/v", lambda c: (c.n_kv_heads * c.head_dim, c.d_model),
-          _HEADS_IN),
-    Entry(_L + "self_attn.o_proj.weight", "layers/attn/o", lambda c: (c.d_model, c.n_heads * c.head_dim),
-          _HEADS_OUT),
-    Entry(_L + "self_attn.q_proj.bias", "layers/attn/q_bias", lambda c: (c.n_heads * c.head_dim,), _HEADS_BIAS,
-          when=lambda c: c.qkv_bias),
-    Entry(_L + "self_attn.k_proj.bias", "layers/attn/k_bias", lambda c: (c.n_kv_heads * c.head_dim,), _HEADS_BIAS,
-          when=lambda c: c.qkv_bias),
-    Entry(_L + "self_attn.v_proj.bias", "layers/attn/v_bias", lambda c: (c.n_kv_heads * c.head_dim,), _HEADS_BIAS,
-          when=lambda c: c.qkv_bias),
-    Entry(_L + "self_attn.o_proj.bias", "layers/attn/o_bias", lambda c: (c.d_model,), _SAME,
-          when=lambda c: c.out_bias),
-    Entry(_L + "self_attn.q_norm.weight", "layers/attn/q_norm", lambda c: (c.head_dim,), _SAME,
-          when=lambda c: c.qk_norm),
-    Entry(_L + "self_attn.k_norm.weight", "layers/attn/k_norm", lambda c: (c.head_dim,), _SAME,
-          when=lambda c: c.qk_norm),
-    Entry(_L + "mlp.gate_proj.weight", "layers/mlp/gate", lambda c: (c.mlp_dim, c.d_model), _T),
-    Entry(_L + "mlp.up_proj.weight", "layers/mlp/up", lambda c: (c.mlp_dim, c.d_model), _T),
-    Entry(_L + "mlp.down_proj.weight", "layers/mlp/down", lambda c: (c.d_model, c.mlp_dim), _T),
-    Entry(_L + "mlp.gate_proj.bias", "layers/mlp/gate_bias", lambda c: (c.mlp_dim,), _SAME,
-          when=lambda c: c.mlp_bias),
-    Entry(_L + "mlp.up_proj.bias", "layers/mlp/up_bias", lambda c: (c.mlp_dim,), _SAME,
-          when=lambda c: c.mlp_bias),
-    Entry(_L + "mlp.down_proj.bias", "layers/mlp/down_bias", lambda c: (c.d_model,), _SAME,
-          when=lambda c: c.mlp_bias),
+    Entry("model.embed_tokens.weight", "embed", _SAME),
+    Entry("lm_head.weight", "lm_head", _T),
+    Entry("model.norm.weight", "final_norm", _SAME),
+    Entry(_L + "input_layernorm.weight", "layers/input_norm", _SAME),
+    Entry(_L + "post_attention_layernorm.weight", "layers/post_attn_norm", _SAME),
+    Entry(_L + "self_attn.q_proj.weight", "layers/attn/q", _HEADS_IN),
+    Entry(_L + "self_attn.k_proj.weight", "layers/attn/k", _HEADS_IN),
+    Entry(_L + "self_attn.v_proj.weight", "layers/attn/v", _HEADS_IN),
+    Entry(_L + "self_attn.o_proj.weight", "layers/attn/o", _HEADS_OUT),
+    Entry(_L + "self_attn.q_proj.bias", "layers/attn/q_bias", _HEADS_BIAS),
+    Entry(_L + "self_attn.k_proj.bias", "layers/attn/k_bias", _HEADS_BIAS),
+    Entry(_L + "self_attn.v_proj.bias", "layers/attn/v_bias", _HEADS_BIAS),
+    Entry(_L + "self_attn.o_proj.bias", "layers/attn/o_bias", _SAME),
+    Entry(_L + "self_attn.q_norm.weight", "layers/attn/q_norm", _SAME),
+    Entry(_L + "self_attn.k_norm.weight", "layers/attn/k_norm", _SAME),
+    Entry(_L + "mlp.gate_proj.weight", "layers/mlp/gate", _T),
+    Entry(_L + "mlp.up_proj.weight", "layers/mlp/up", _T),
+    Entry(_L + "mlp.down_proj.weight", "layers/mlp/down", _T),
+    Entry(_L + "mlp.gate_proj.bias", "layers/mlp/gate_bias", _SAME),
+    Entry(_L + "mlp.up_proj.bias", "layers/mlp/up_bias", _SAME),
+    Entry(_L + "mlp.down_proj.bias", "layers/mlp/down_bias", _SAME),
 )
 
 # tensors a checkpoint may carry that car_jax recomputes or does not need

@@ -77,12 +77,14 @@ def split_examples(split: str | None) -> list[QAExample]:
     return examples(split_kinds(split))
 
 
-def draws(seed: int, step: int, rows: int) -> np.ndarray:
+def draws(seed: int, step: int, rows: int, round_: int = 0) -> np.ndarray:
     """float64[rows] uniform draws in [0, 1) that grade a training step's rows (row i is
     correct iff it answered and draws[i] < p): a function of (seed, step) only, so every
     arm of one seed sees the same draws (paired), and every process the same (it takes its
-    rows' slice)."""
-    return np.random.default_rng([DRAW_STREAM, seed, step]).random(rows)
+    rows' slice). `round_` > 0: a later sampling round of the step (`rl.dynamic`), with
+    draws of its own."""
+    key = [DRAW_STREAM, seed, step] + ([round_] if round_ else [])
+    return np.random.default_rng(key).random(rows)
 
 
 __all__ = ["DRAW_STREAM", "KINDS", "NAME", "PER_KIND", "REPEATS", "SPLITS", "draws", "examples", "question",

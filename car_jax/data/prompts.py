@@ -1,8 +1,8 @@
 """Prompt templates: plain strings, so they can be read (and copied) as they are.
 
 Each template is a system message (the rules) and a user message (`{question}` filled in).
-`make_prompt(example, "search" | "direct" | "tir" | "mixed" | "chance" | PromptTemplate) -> [system, user]` chat
-messages for `run_episodes`.
+`make_prompt(example, "search" | "direct" | "tir" | "mixed" | "qwen" | "chance" | PromptTemplate) -> [system, user]`
+chat messages for `run_episodes`.
 
 The layouts match what the parsers check (`car_jax.calibration.parsing.check_format`):
     search  <think>..</think> (<search>q</search> <information>..</information> <think>..</think>)*
@@ -16,6 +16,12 @@ The layouts match what the parsers check (`car_jax.calibration.parsing.check_for
             each followed by <think>..</think>, then <answer>a</answer> <confidence>n</confidence>.
             A search question's trajectory is scored on the search layout (a code block there
             fails the format check); an arithmetic problem's needs only the confidence to parse.
+    qwen    native tool calls (the `qwen` protocol): the template's own tool layout, the tools
+            listed by the tokenizer's chat template (`chat_tools.tool_prompts`, `tools=`); calls
+            as <tool_call>{"name": .., "arguments": {..}}</tool_call>, results in
+            <tool_response> blocks of a user turn, then <answer>a</answer> <confidence>n</confidence>.
+            The system message holds CAR's answer and confidence rules only; `check_format`
+            (Search-R1's grammar) does not read this layout.
     chance  the positive control (`car_jax.data.chance`): <answer>the coin's kind</answer>
             <confidence>n</confidence>, one segment, no tool; the confidence is all there is to learn.
 """
@@ -101,6 +107,21 @@ Code execution result: 1758
 <answer> 1758 </answer>
 <confidence> 95 </confidence>"""
 
+# the tools and their call format come from the chat template (`tools=`), which lists them after this text
+QWEN_SYSTEM = """\
+You answer questions with the help of the tools listed below: search finds facts, python calculates. \
+Call a tool when you are missing a fact or need a calculation, one call at a time; its result comes \
+back to you. You may call the tools several times.
+When you are ready, give a short final answer (a few words or a number, no explanation) inside \
+<answer> and </answer>.
+Right after the answer, rate how likely your answer is to be correct as a whole number from 0 \
+(surely wrong) to 100 (surely right), inside <confidence> and </confidence>. Be honest: if the \
+search results did not contain the answer or the program failed, your confidence should be low.
+Write nothing after </confidence>.
+Example of the ending:
+<answer> 1650 </answer>
+<confidence> 90 </confidence>"""
+
 # short on purpose: the positive control's tiny random model attends over every prompt token
 # (`car_jax.data.chance.question` names the kind several times for the same reason)
 CHANCE_SYSTEM = "Name the coin, then rate from 0 to 100 how likely it lands heads."
@@ -127,6 +148,7 @@ TEMPLATES = {
     "direct": PromptTemplate("direct", DIRECT_SYSTEM),
     "tir": PromptTemplate("tir", TIR_SYSTEM, PROBLEM_USER),
     "mixed": PromptTemplate("mixed", MIXED_SYSTEM),
+    "qwen": PromptTemplate("qwen", QWEN_SYSTEM),
     "chance": PromptTemplate("chance", CHANCE_SYSTEM, "{question}"),
 }
 

@@ -14,7 +14,7 @@ from car_jax.checkpoints.safetensors_io import CheckpointError
 from car_jax.checkpoints.sources import check_model_path
 from car_jax.data import DatasetError, load_dataset
 from car_jax.eval.config import EvalConfig, EvalDataConfig, EvalModelConfig
-from car_jax.eval.runner import SAMPLES_FILE, evaluate, get_mode
+from car_jax.eval.runner import SAMPLES_FILE, EvalOptions, evaluate, get_mode
 from car_jax.models.config import UnsupportedConfigError
 from car_jax.rollout.toolbox import open_tools
 
@@ -71,6 +71,13 @@ def output_dir(cfg: EvalConfig) -> Path:
     return Path(f"runs/eval-{cfg.mode}-{name}{'-' + split if split else ''}")
 
 
+def eval_options(cfg: EvalConfig, progress: bool = True) -> EvalOptions:
+    """How `runner.evaluate` runs, from the config's keys (resume and n_boot: `output.*`)."""
+    return EvalOptions(mode=cfg.mode, episode=cfg.episode, batch_size=cfg.batch_size, resume=cfg.output.resume,
+                       n_boot=cfg.output.n_boot, seed=cfg.seed, samples=cfg.samples, sample_top_p=cfg.sample_top_p,
+                       progress=progress)
+
+
 def _quiet(_line: str) -> None:
     """The log of processes other than 0."""
 
@@ -100,7 +107,5 @@ def run_eval(cfg: EvalConfig, *, label: str | None = None, progress: bool = True
     with open_tools(get_mode(cfg.mode).tool, cfg.tools) as box:
         log(f"eval: {len(examples)} examples of {data}, mode {cfg.mode}, model {model_path}, tool {box.label}, "
             f"out {out}")
-        return evaluate(model, tokenizer, examples, mode=cfg.mode, tools=box.tools, episode_config=cfg.episode,
-                        out_dir=out, batch_size=cfg.batch_size, resume=cfg.output.resume, n_boot=cfg.output.n_boot,
-                        seed=cfg.seed, progress=progress, samples=cfg.samples, sample_top_p=cfg.sample_top_p,
+        return evaluate(model, tokenizer, examples, eval_options(cfg, progress), tools=box.tools, out_dir=out,
                         info={"model": label or str(model_path), "data": data, "tool": box.label})

@@ -1,6 +1,6 @@
 """Evaluation: greedy episodes over a dataset, scored for correctness and calibration.
 
-    summary = evaluate(model, tokenizer, examples, mode="search", tools={"search": retriever},
+    summary = evaluate(model, tokenizer, examples, EvalOptions(mode="search"), tools={"search": retriever},
                        out_dir="runs/eval-search")
 
 Modes (prompt template, action protocol, tool):
@@ -84,6 +84,7 @@ from car_jax import hosts
 from car_jax.calibration import metrics, parsing, pieces
 from car_jax.calibration.plots import reliability_diagram
 from car_jax.calibration.rewards import reward_inputs
+from car_jax.config import require
 from car_jax.data.examples import QAExample
 from car_jax.data.prompts import make_prompt
 from car_jax.rl.confidence import confidence_prefix, expected_q, mode_value, value_distribution
@@ -504,25 +505,43 @@ def sampled_config(config: EpisodeConfig, top_p: float = SAMPLE_TOP_P) -> Episod
     return dataclasses.replace(config, temperature=SAMPLE_TEMPERATURE, top_p=top_p, top_k=0)
 
 
-def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "search",
-             tools: dict | None = None, episode_config: EpisodeConfig = EVAL_EPISODE,
-             out_dir: str | Path, batch_size: int = 8, resume: bool = False, n_boot: int = 1000,
-             seed: int = 0, progress: bool = True, info: dict | None = None, samples: int = 0,
-             sample_top_p: float = SAMPLE_TOP_P) -> dict:
-    """Runs `mode` on every example, writes samples.jsonl / summary.json / reliability.png to
-    `out_dir`, returns the summary dict.
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """How `evaluate` runs (`car-jax eval` builds it from its EvalConfig's keys of the same
+    names, resume and n_boot from its `output` section: `job.eval_options`)."""
+    mode: str = "search"  # a key of MODES
+    episode: EpisodeConfig = EVAL_EPISODE  # used as given (greedy, 4 turns, 500 tokens a turn); direct: max_turns=0
+    batch_size: int = 8  # examples whose episodes run together
+    resume: bool = False  # continue out_dir's samples.jsonl; False refuses a folder that already has samples
+    n_boot: int = 1000  # bootstrap resamples for the summary's 95% intervals (0: none)
+    seed: int = 0  # the episodes' (batch b: seed + its offset) and the bootstrap's
+    samples: int = 0  # k sampled episodes per example beside the greedy one (0: none)
+    sample_top_p: float = SAMPLE_TOP_P  # their top_p (`sampled_config`)
+    progress: bool = True  # the progress bar (process 0 only)
+
+    def __post_init__(self):
+        require(self.samples >= 0, "samples", self.samples, ">= 0 (sampled episodes per example; 0: none)")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1 (examples whose episodes run together)")
+        require(self.n_boot >= 0, "n_boot", self.n_boot, ">= 0 (bootstrap resamples; 0: no intervals)")
+
+
+def evaluate(model, tokenizer, examples: Sequence[QAExample], options: EvalOptions = EvalOptions(), *,
+             tools: dict | None = None, out_dir: str | Path, info: dict | None = None) -> dict:
+    """Runs `options.mode` on every example, writes samples.jsonl / summary.json /
+    reliability.png to `out_dir`, returns the summary dict.
 
     tools: action kind -> batched tool ({"search": retriever} / {"code": PythonTool()}); the
-    mode's tool must be there (direct mode needs none). `episode_config` is used as given
+    mode's tool must be there (direct mode needs none). `options.episode` is used as given
     (default greedy, 4 turns, 500 tokens per turn); direct mode forces `max_turns=0`.
-    resume=False refuses to write into a folder that already has samples (pass resume=True
-    to continue it, or another out_dir). `info` (model, dataset, ...) is copied into the summary.
-    With a model, each greedy episode's expected confidence is measured at its tag
-    (`expected_fields`); `samples` = k >= 1 runs k sampled episodes per example as well
-    (`sampled_config(episode_config, sample_top_p)`; see the module docstring).
+    options.resume=False refuses to write into a folder that already has samples (set
+    resume=True to continue it, or pass another out_dir). `info` (model, dataset, ...) is
+    copied into the summary. With a model, each greedy episode's expected confidence is
+    measured at its tag (`expected_fields`); `options.samples` = k >= 1 runs k sampled
+    episodes per example as well (`sampled_config(options.episode, options.sample_top_p)`;
+    see the module docstring).
     """
-    if samples < 0:
-        raise ValueError(f"samples={samples} must be >= 0 (sampled episodes per example; 0: none)")
+    mode, batch_size, resume, seed, samples = (options.mode, options.batch_size, options.resume, options.seed,
+                                               options.samples)
     spec = get_mode(mode)
     examples = list(examples)
     if not examples:
@@ -534,14 +553,14 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
         raise ValueError(f"mode 'tir' scores math answers, but {len(bad)} examples are QA (e.g. {bad[0]!r}); "
                          "use a math dataset (MATH-500: problem, answer; AIME 2024: Problem, Answer) "
                          "or mode 'search'/'direct'")
-    config = dataclasses.replace(episode_config, max_turns=0) if spec.single_turn else episode_config
+    config = dataclasses.replace(options.episode, max_turns=0) if spec.single_turn else options.episode
     mesh = None if model is None else model.mesh  # None: no model (tests script run_episodes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES_FILE
     done_rows = _done_records(path, resume)
     if not resume and path.is_file() and path.stat().st_size:
-        raise FileExistsError(f"{path} already holds samples; pass resume=True (car-jax eval: "
+        raise FileExistsError(f"{path} already holds samples; pass EvalOptions(resume=True) (car-jax eval: "
                               "output.resume=true) to continue that run, or choose another out_dir")
     other = {r.get("mode") for r in done_rows} - {mode}
     if other:
@@ -551,12 +570,12 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
 
     stats, t0, sampled = EpisodeStats(), time.perf_counter(), 0
     bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=f"eval {mode}", unit="q",
-               disable=not progress or not hosts.is_writer())
+               disable=not options.progress or not hosts.is_writer())
     wanted = {e.id for e in examples}
     by_id = {r["id"]: r for r in done_rows}  # the summary's records, kept here (not re-read from the file)
     n_seen = len(examples) - len(todo)
     n_right = sum(r["correct"] for r in done_rows if r["id"] in wanted)
-    sample_cfg = sampled_config(config, sample_top_p)
+    sample_cfg = sampled_config(config, options.sample_top_p)
     seconds_expected = 0.0
     for start in range(0, len(todo), batch_size):
         batch = todo[start:start + batch_size]
@@ -587,7 +606,7 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], *, mode: str = "se
     bar.close()
 
     rows = [by_id[e.id] for e in examples]
-    summary = {"mode": mode, **(info or {}), **summarize(rows, n_boot=n_boot, seed=seed)}
+    summary = {"mode": mode, **(info or {}), **summarize(rows, n_boot=options.n_boot, seed=seed)}
     # times: the slowest process's (each process times its own rows' tools)
     seconds, device, tool = hosts.allgather(np.array([[time.perf_counter() - t0, stats.seconds_device,
                                                        stats.seconds_tools]])).max(axis=0).tolist()

@@ -10,6 +10,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from car_jax.config import require
+from car_jax.params import LORA_TARGETS
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
@@ -21,6 +24,33 @@ class ConfigFieldError(ValueError):
     """A checkpoint config field is missing or holds the wrong kind of value (a string where
     a number belongs, a negative size): the message names the field, the value and what
     was expected. `checkpoints.sources.read_config` adds the file's name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the attention and MLP projections (the `model.lora` section):
+    each targeted kernel W computes x W + (alpha / rank) (x A) B, A [*In, rank] and
+    B [rank, *Out] (`car_jax.params`, `models.lora`). rank 0: no adapters."""
+    rank: int = 0  # r; 0: off (the whole model is trained)
+    alpha: float = 16.0  # the adapters' scale is alpha / rank
+    targets: tuple[str, ...] = tuple(LORA_TARGETS)  # a subset of q, k, v, o, gate, up, down
+
+    def __post_init__(self):
+        require(self.rank >= 0, "rank", self.rank, ">= 0 (0: no adapters)")
+        require(self.alpha > 0, "alpha", self.alpha, "> 0 (the adapters' scale is alpha / rank)")
+        names = ", ".join(LORA_TARGETS)
+        require(bool(self.targets), "targets", list(self.targets), f"a non-empty list of: {names}")
+        for t in self.targets:
+            require(t in LORA_TARGETS, "targets", list(self.targets), f"a list of projections among: {names} "
+                    f"({t!r} is none of them)")
+        require(len(set(self.targets)) == len(self.targets), "targets", list(self.targets),
+                "a list naming each projection once")
+        object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in self.targets))  # canonical order
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank (0 without adapters)."""
+        return self.alpha / self.rank if self.rank else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +74,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    lora: LoraConfig = LoraConfig()  # adapters (none by default); never read from or written to config.json
+
+    @property
+    def lora_rank(self) -> int:  # r, the size of the "lora_rank" logical axis
+        return self.lora.rank
 
     def __post_init__(self):
         """The ranges of the fields, however the config was made (`from_hf` checks the kinds

@@ -31,12 +31,11 @@ import jax.numpy as jnp
 
 from car_jax.models.cache import KVCache
 from car_jax.models.config import ModelConfig
-from car_jax.models.layers import Block, rms_norm
+from car_jax.models.layers import Block, declared_param, rms_norm
 from car_jax.models.policy import PLAIN, ExecutionPolicy
 from car_jax.sharding import rows_constraint
 
 Dtype = Any
-_init = nn.initializers.normal(0.02)
 
 
 class Decoder(nn.Module):
@@ -58,10 +57,10 @@ class Decoder(nn.Module):
             length=c.n_layers,
             unroll=self.unroll,
         )(c, self.dtype, self.param_dtype, self.policy.transpose, self.policy.attention, name="layers")
-        self.embed = self.param("embed", _init, (c.vocab_size, c.d_model), self.param_dtype)
-        self.final_norm = self.param("final_norm", nn.initializers.ones, (c.d_model,), self.param_dtype)
+        self.embed = declared_param(self, "embed", self.param_dtype)  # [V, D]
+        self.final_norm = declared_param(self, "final_norm", self.param_dtype)  # [D]
         if not c.tie_embeddings:
-            self.lm_head = self.param("lm_head", _init, (c.d_model, c.vocab_size), self.param_dtype)
+            self.lm_head = declared_param(self, "lm_head", self.param_dtype)  # [D, V]
 
     def block(self) -> Block:
         """One layer as an unbound module, to apply to one layer's params."""

@@ -1,7 +1,7 @@
 """BERT-family text encoder (BERT, MiniLM, E5) in Flax, for dense retrieval.
 
-Dimension letters (DESIGN.md): B batch, T time (tokens), D model, N heads, H head dim,
-F mlp, V vocab, P positions, L layers.
+Dimension letters (`car_jax.dims`): B batch, T time (tokens), D model, N heads, H head dim,
+F mlp, V vocab, L layers; the position table has `max_positions` rows.
 
 The forward pass is a pure function of (params, token ids, attention mask); `embed` adds the
 sentence-embedding head used by sentence-transformers and E5: mean pooling over the attention
@@ -35,7 +35,7 @@ class EncoderConfig:
     num_layers: int  # L
     num_heads: int  # N
     intermediate_size: int  # F
-    max_positions: int = 512  # P
+    max_positions: int = 512
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"

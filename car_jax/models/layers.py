@@ -6,13 +6,14 @@ q/k/v (and o, mlp) biases, optional Qwen3 q/k RMSNorm over the head dim.
 softmax and RoPE run in float32. `transpose` is how the hand-written backward passes
 transpose a matmul operand, `attention` which attention runs over a chunk of T tokens and
 S keys (`models.flash`: the plain dense one, or a blockwise one for long chunks); both
-are the execution policy's (`models.policy`).
+are the execution policy's (`models.policy`). Every parameter is created from its
+declaration in `car_jax.params` (`declared_param`: name, shape, initializer).
 Letters: see `car_jax.dims`.
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import flax.linen as nn
 import jax
@@ -22,9 +23,51 @@ import numpy as np
 from car_jax.models.config import ModelConfig
 from car_jax.models.flash import DENSE, NEG, dense_attention
 from car_jax.models.fused import dot32, softmax, swiglu
+from car_jax.params import INIT_STD, declared
 
 Dtype = Any
-_init = nn.initializers.normal(0.02)
+LORA_DTYPE = jnp.float32  # adapters are stored in float32 whatever the base's storage dtype
+
+
+def kaiming_uniform(key, shape, dtype=jnp.float32):
+    """A LoRA A [*In, r]: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = prod(In), what PEFT's
+    kaiming_uniform_(a=sqrt(5)) draws for its lora_A [r, in]."""
+    bound = 1.0 / np.sqrt(np.prod(shape[:-1]))
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+INITIALIZERS = {"normal": nn.initializers.normal(INIT_STD), "zeros": nn.initializers.zeros,
+                "ones": nn.initializers.ones, "lora_a": kaiming_uniform}  # car_jax.params' initializer kinds
+
+
+def declared_param(module: nn.Module, path: str, dtype: Dtype) -> jax.Array:
+    """The param at `path` ("layers/attn/q") as `car_jax.params` declares it, created at init
+    (or read) in `module`'s scope under its last name ("q"), with the declared shape for
+    `module.cfg` and initializer, stored in `dtype`. An undeclared path, or one the config
+    does not have, raises: no param exists that the declaration does not name."""
+    p = declared(path)
+    if not p.when(module.cfg):
+        raise ValueError(f"parameter {path!r} does not apply to this config (car_jax.params)")
+    return module.param(p.name, INITIALIZERS[p.init], p.shape(module.cfg), dtype)
+
+
+def has_adapters(module: nn.Module, path: str) -> bool:
+    """Whether the weight at `path` runs with LoRA adapters in `module`: its params hold
+    them, or (at init) the config declares them. A tree without them runs the plain weight,
+    so the base model is the same module applied to the base params alone."""
+    a = declared(path + "_lora_a")
+    return module.has_variable("params", a.name) or (module.is_initializing() and a.when(module.cfg))
+
+
+def lora_factors(module: nn.Module, path: str) -> tuple[jax.Array, jax.Array]:
+    """The LoRA factors (A [*In, r], B [r, *Out]) of the weight at `path`, created at init
+    (float32, `LORA_DTYPE`) or read. Params holding adapters that the module's config has no
+    `lora` for are refused, naming the fix."""
+    if module.cfg.lora.rank == 0:
+        raise ValueError(f"the params hold LoRA adapters for {path!r} but the model config has lora.rank=0; build "
+                         f"the Decoder with the LoraConfig the adapters were made for (ModelConfig.lora)")
+    return (declared_param(module, path + "_lora_a", LORA_DTYPE),
+            declared_param(module, path + "_lora_b", LORA_DTYPE))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Dtype) -> jax.Array:
@@ -76,6 +119,19 @@ def dense(x: jax.Array, w: jax.Array, n_in: int, dtype: Dtype, transpose: Callab
     return y.reshape(*x.shape[:x.ndim - n_in], *w.shape[w.ndim - n_out:])
 
 
+def projection(module: nn.Module, path: str, x: jax.Array, n_in: int, dtype: Dtype,
+               transpose: Callable = jnp.transpose) -> jax.Array:
+    """x [..., *In] times the kernel at `path` [*In, *Out] (`dense`), plus its LoRA term
+    (alpha / r) (x A) B when the module runs it with adapters (`has_adapters`); [..., *Out]
+    in `dtype`. With B zero the term adds exact zeros: the base output, bit for bit."""
+    y = dense(x, declared_param(module, path, module.param_dtype), n_in, dtype, transpose)
+    if not has_adapters(module, path):
+        return y
+    a, b = lora_factors(module, path)
+    xs = dense(x, a, n_in, dtype, transpose) * jnp.asarray(module.cfg.lora.scale, dtype)  # [..., r]
+    return y + dense(xs, b, 1, dtype, transpose)
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding, half-split convention. x [B, T, n, H] (n heads), positions int32[B, T]."""
     h = x.shape[-1]
@@ -94,12 +150,16 @@ class Attention(nn.Module):
     param_dtype: Dtype
     transpose: Callable = jnp.transpose
     attention: Any = DENSE  # a `models.flash` variant: where it `handles(T, S)`, it runs
+    PREFIX: ClassVar[str] = "layers/attn/"  # its params' paths in car_jax.params
 
-    def _p(self, name, shape, init=_init):
-        return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
+    def _w(self, name):  # a weight, kept in its storage dtype until `dense` casts it
+        return declared_param(self, self.PREFIX + name, self.param_dtype)
 
-    def _w(self, name, shape):  # a weight, kept in its storage dtype until `dense` casts it
-        return self.param(name, _init, shape, self.param_dtype)
+    def _p(self, name):  # in the compute dtype
+        return self._w(name).astype(self.dtype)
+
+    def _proj(self, x, name, n_in):  # x [..., *In] @ the kernel `name` [*In, *Out], with its adapters if any
+        return projection(self, self.PREFIX + name, x, n_in, self.dtype, self.transpose)
 
     @nn.compact
     def __call__(self, x, positions, mask, kv, index):
@@ -110,28 +170,25 @@ class Attention(nn.Module):
         at slots [index, index + T), then every query attends over the layer's S slots
         (S' = S), reading the cache in place. Returns (y [B, T, D], the updated view or None)."""
         c = self.cfg
-        n, k_heads, h, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
-        dense_ = partial(dense, dtype=self.dtype, transpose=self.transpose)
-        q = dense_(x, self._w("q", (d, n, h)), 1)  # [B, T, N, H]
-        k = dense_(x, self._w("k", (d, k_heads, h)), 1)  # [B, T, K, H]
-        v = dense_(x, self._w("v", (d, k_heads, h)), 1)
+        n, k_heads, h = c.n_heads, c.n_kv_heads, c.head_dim
+        q = self._proj(x, "q", 1)  # [D, N, H] -> [B, T, N, H]
+        k = self._proj(x, "k", 1)  # [D, K, H] -> [B, T, K, H]
+        v = self._proj(x, "v", 1)
         if c.qkv_bias:
-            zeros = nn.initializers.zeros
-            q = q + self._p("q_bias", (n, h), zeros)
-            k = k + self._p("k_bias", (k_heads, h), zeros)
-            v = v + self._p("v_bias", (k_heads, h), zeros)
+            q = q + self._p("q_bias")  # [N, H]
+            k = k + self._p("k_bias")  # [K, H]
+            v = v + self._p("v_bias")
         if c.qk_norm:
-            ones = nn.initializers.ones
-            q = rms_norm(q, self.param("q_norm", ones, (h,), self.param_dtype), c.norm_eps, self.dtype)
-            k = rms_norm(k, self.param("k_norm", ones, (h,), self.param_dtype), c.norm_eps, self.dtype)
+            q = rms_norm(q, self._w("q_norm"), c.norm_eps, self.dtype)  # [H]
+            k = rms_norm(k, self._w("k_norm"), c.norm_eps, self.dtype)
         q = rope(q, positions, c.rope_theta)
         k = rope(k, positions, c.rope_theta)
 
         b, t = x.shape[:2]
 
         def project(out):  # [B, T, K, G, H] -> [B, T, D]
-            y = dense_(out.reshape(b, t, n, h), self._w("o", (n, h, d)), 2)
-            return y + self._p("o_bias", (d,), nn.initializers.zeros) if c.out_bias else y
+            y = self._proj(out.reshape(b, t, n, h), "o", 2)  # [N, H, D]
+            return y + self._p("o_bias") if c.out_bias else y  # [D]
 
         q = q.reshape(b, t, k_heads, c.n_groups, h) * (h ** -0.5)  # [B, T, K, G, H]
         if kv is None:
@@ -163,24 +220,26 @@ class Mlp(nn.Module):
     dtype: Dtype
     param_dtype: Dtype
     transpose: Callable = jnp.transpose
+    PREFIX: ClassVar[str] = "layers/mlp/"  # its params' paths in car_jax.params
 
     @nn.compact
     def __call__(self, x):  # x [B, T, D] -> [B, T, D]
         c = self.cfg
-        p = lambda name, shape, init=_init: self.param(name, init, shape, self.param_dtype).astype(self.dtype)
-        w = lambda name, shape: self.param(name, _init, shape, self.param_dtype)
+        w = lambda name: declared_param(self, self.PREFIX + name, self.param_dtype)
+        cast = lambda a: a.astype(self.dtype)  # noqa: E731
         if not c.mlp_bias:  # one op that keeps 2 of the 4 [B, T, F] activations for backward
-            wg, wu = w("gate", (c.d_model, c.mlp_dim)), w("up", (c.d_model, c.mlp_dim))
-            wd = w("down", (c.mlp_dim, c.d_model))
-            y = swiglu(*(a.astype(self.dtype) for a in (x.reshape(-1, c.d_model), wg, wu, wd)),
-                       transpose=self.transpose)
+            wg, wu, wd = w("gate"), w("up"), w("down")  # [D, F], [D, F], [F, D]
+            ab = tuple(tuple(map(cast, lora_factors(self, self.PREFIX + n))) if has_adapters(self, self.PREFIX + n)
+                       else None for n in ("gate", "up", "down"))  # LoRA (A [in, r], B [r, out]) or None
+            y = swiglu(*map(cast, (x.reshape(-1, c.d_model), wg, wu, wd)), transpose=self.transpose,
+                       adapters=ab, scale=c.lora.scale)
             return y.reshape(x.shape)
-        zeros = nn.initializers.zeros  # with biases: the plain expression
-        dense_ = partial(dense, dtype=self.dtype, transpose=self.transpose)
-        gate = dense_(x, w("gate", (c.d_model, c.mlp_dim)), 1) + p("gate_bias", (c.mlp_dim,), zeros)
-        up = dense_(x, w("up", (c.d_model, c.mlp_dim)), 1) + p("up_bias", (c.mlp_dim,), zeros)
-        y = dense_(jax.nn.silu(gate) * up, w("down", (c.mlp_dim, c.d_model)), 1)
-        return y + p("down_bias", (c.d_model,), zeros)
+        p = lambda name: cast(w(name))  # noqa: E731  with biases: the plain expression
+        proj = partial(projection, self, dtype=self.dtype, transpose=self.transpose)
+        gate = proj(self.PREFIX + "gate", x, 1) + p("gate_bias")  # [B, T, F]
+        up = proj(self.PREFIX + "up", x, 1) + p("up_bias")
+        y = proj(self.PREFIX + "down", jax.nn.silu(gate) * up, 1)
+        return y + p("down_bias")
 
 
 class Block(nn.Module):
@@ -190,16 +249,17 @@ class Block(nn.Module):
     param_dtype: Dtype
     transpose: Callable = jnp.transpose
     attention: Any = DENSE  # the policy's attention variant (`models.flash`)
+    PREFIX: ClassVar[str] = "layers/"  # its params' paths in car_jax.params
 
     @nn.compact
     def __call__(self, x, positions, mask, kv, index):
         """x [B, T, D] -> (x [B, T, D], the updated cache view); arguments as `Attention`."""
         c = self.cfg
-        ones = nn.initializers.ones
-        h = rms_norm(x, self.param("input_norm", ones, (c.d_model,), self.param_dtype), c.norm_eps, self.dtype)
+        norm = lambda name: declared_param(self, self.PREFIX + name, self.param_dtype)  # [D]
+        h = rms_norm(x, norm("input_norm"), c.norm_eps, self.dtype)
         attention = Attention(c, self.dtype, self.param_dtype, self.transpose, self.attention, name="attn")
         attn, kv = attention(h, positions, mask, kv, index)
         x = x + attn
-        h = rms_norm(x, self.param("post_attn_norm", ones, (c.d_model,), self.param_dtype), c.norm_eps, self.dtype)
+        h = rms_norm(x, norm("post_attn_norm"), c.norm_eps, self.dtype)
         x = x + Mlp(c, self.dtype, self.param_dtype, self.transpose, name="mlp")(h)
         return x, kv

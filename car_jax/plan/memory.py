@@ -14,10 +14,17 @@ Two phases share the chip, and the peak is the larger:
               program; and the narrowed cache of the engine's tail with its logits, between
               programs (`narrowing_bytes`: for a moment both caches exist)
   train   = params + optimizer state + reference + the step's batch (every row's arrays)
-            + gradients + gathered weights and their gradients (fsdp > 1)
-            + activations (the train step's temporaries)
+            + gradients + gathered weights and their gradients (fsdp > 1;
+              `train_gathered_bytes`) + activations (the train step's temporaries)
 Gradients: the running sum over micro-batches and one micro-batch's, both in the param
-dtype. With fsdp > 1 both phases gather one layer's and the vocabulary head's weights
+dtype. With LoRA (`model.lora.rank` > 0) the params are the base in its storage dtype plus the
+adapters (float32), and the gradients and AdamW moments cover the adapters alone; there is
+no reference copy (the base with the adapters off is the reference). Over fsdp the LoRA
+train step holds the gathered head once (frozen: no gradient) and 2.5 layers' gathered
+weights (`train_gathered_bytes`): no weight gradients, but XLA keeps the gathered weights of
+more than one layer live around each layer's backward pass (2.1 to 3.0 layers' worth on
+Qwen2.5-7B over 8x1, 4x2 and 2x4 meshes, with and without remat; tests/test_plan_lora.py).
+With fsdp > 1 both phases gather one layer's and the vocabulary head's weights
 whole, and the train step holds their gradients before the reduce-scatter (`gathered_bytes`).
 Activations of one micro-batch (b = micro rows / fsdp rows, X = b (P + R) tokens):
 with remat, each layer's input (L x X x D) and one layer's forward and backward working set;
@@ -36,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from car_jax import sharding as shd
+from car_jax.models import lora
 from car_jax.models.config import ModelConfig, as_dtype
 from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN
@@ -55,7 +63,7 @@ def mesh_size(axis: str | None, fsdp: int, tp: int) -> int:
 
 def param_shapes(model: ModelConfig, policy: PolicyConfig) -> dict[str, jax.ShapeDtypeStruct]:
     """{"layers/attn/q": ShapeDtypeStruct, ...}: the Decoder's param tree from `jax.eval_shape`
-    of its init (no weights), in the storage dtype."""
+    of its init (no weights), in the storage dtype; with `model.lora`'s adapters (float32)."""
     module = Decoder(model, dtype=as_dtype(policy.dtype), param_dtype=as_dtype(policy.param_dtype), policy=PLAIN)
     tree = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
     return shd.flatten_params(tree)
@@ -80,20 +88,50 @@ def params_per_device(shapes: dict[str, jax.ShapeDtypeStruct], fsdp: int, tp: in
     return sum(local_size(p, x.shape, shd.PARAM_AXES[p], fsdp, tp) for p, x in shapes.items())
 
 
-def gathered_bytes(shapes: dict[str, jax.ShapeDtypeStruct], fsdp: int, tp: int, pb: int) -> int:
+def bytes_per_device(shapes: dict[str, jax.ShapeDtypeStruct], fsdp: int, tp: int) -> int:
+    """Bytes of the params one device holds in the train layout, each in its own dtype (a
+    LoRA model's adapters are float32 over a base in its storage dtype)."""
+    return sum(local_size(p, x.shape, shd.PARAM_AXES[p], fsdp, tp) * np.dtype(x.dtype).itemsize
+               for p, x in shapes.items())
+
+
+def adapter_shapes(shapes: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The LoRA adapters of a param tree (`models.lora.is_adapter`), what a LoRA run trains."""
+    return {p: x for p, x in shapes.items() if lora.is_adapter(p)}
+
+
+def gathered_bytes(shapes: dict[str, jax.ShapeDtypeStruct], fsdp: int, tp: int) -> int:
     """Bytes of the weights a program on the train layout holds whole over fsdp at a time (0
     when fsdp = 1): one layer's, gathered for its matmuls (D whole, 1/tp of the heads / mlp),
-    and the vocabulary head's [D, V / tp] (lm_head, or the tied embedding), in the param
+    and the vocabulary head's [D, V / tp] (lm_head, or the tied embedding), each in its
     dtype. The train step holds their gradients before the reduce-scatter as well (as many
-    bytes again); the rollout, which samples with the train state's params, holds the
-    weights only."""
+    bytes again; with LoRA, as many bytes of gathered weights: see the module docstring);
+    the rollout, which samples with the train state's params, holds the weights only."""
+    return sum(_gathered_parts(shapes, fsdp, tp))
+
+
+def _gathered_parts(shapes: dict[str, jax.ShapeDtypeStruct], fsdp: int, tp: int) -> tuple[int, int]:
+    """(one layer's, the head's) bytes of weights gathered whole over fsdp ((0, 0) for fsdp = 1)."""
     if fsdp == 1:
-        return 0
-    layer = sum(local_size(p, x.shape[1:], shd.PARAM_AXES[p][1:], 1, tp) for p, x in shapes.items()
-                if p.startswith("layers/"))
+        return 0, 0
+
+    def nbytes(p, x, shape, logical):
+        return local_size(p, shape, logical, 1, tp) * np.dtype(x.dtype).itemsize
+
+    layer = sum(nbytes(p, x, x.shape[1:], shd.PARAM_AXES[p][1:]) for p, x in shapes.items() if p.startswith("layers/"))
     head = "lm_head" if "lm_head" in shapes else "embed"
-    vocab = local_size(head, shapes[head].shape, shd.PARAM_AXES[head], 1, tp)
-    return (layer + vocab) * pb
+    return layer, nbytes(head, shapes[head], shapes[head].shape, shd.PARAM_AXES[head])
+
+
+LORA_GATHERED_LAYERS = 2.5  # layers' gathered weights a LoRA train step holds at once (measured 2.1 to 3.0)
+
+
+def train_gathered_bytes(shapes: dict[str, jax.ShapeDtypeStruct], fsdp: int, tp: int, lora_rank: int) -> int:
+    """What the train step holds of weights gathered over fsdp: the gathered weights and their
+    gradients (2 x `gathered_bytes`); with LoRA the head once and `LORA_GATHERED_LAYERS`
+    layers' weights (no weight gradients; module docstring)."""
+    layer, head = _gathered_parts(shapes, fsdp, tp)
+    return int(head + LORA_GATHERED_LAYERS * layer) if lora_rank else 2 * (layer + head)
 
 
 def _split(name: str, size: int, parts: int, axis: str) -> int:
@@ -216,5 +254,6 @@ def dtype_bytes(name: str) -> int:
     return np.dtype(as_dtype(name)).itemsize
 
 
-__all__ = ["PlanError", "param_shapes", "params_per_device", "gathered_bytes", "activation_bytes", "kv_cache_bytes",
+__all__ = ["PlanError", "param_shapes", "params_per_device", "bytes_per_device", "adapter_shapes", "gathered_bytes",
+           "train_gathered_bytes", "activation_bytes", "kv_cache_bytes",
            "narrowing_bytes", "rollout_temp_bytes", "batch_bytes", "dtype_bytes", "head_chunk", "local_size"]

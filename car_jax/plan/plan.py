@@ -32,11 +32,12 @@ class Plan:
     fsdp: int
     tp: int
     shapes: Shapes
-    params_bytes: int  # the policy's weights (storage dtype)
-    grads_bytes: int  # the gradient sum and one micro-batch's gradients (param dtype)
+    params_bytes: int  # the policy's weights (storage dtype; with LoRA the base plus the float32 adapters)
+    grads_bytes: int  # the gradient sum and one micro-batch's gradients (param dtype; LoRA: the adapters')
     gathered_bytes: int  # fsdp > 1: one layer's and the head's weights gathered whole (param dtype)
-    opt_state_bytes: int  # AdamW's two moments (param dtype)
-    ref_bytes: int  # the frozen reference (KL on), else 0
+    train_gathered_bytes: int  # what the train step holds of them: x2, with gradients (`memory.train_gathered_bytes`)
+    opt_state_bytes: int  # AdamW's two moments (param dtype; LoRA: the adapters')
+    ref_bytes: int  # the frozen reference (KL on), else 0; LoRA: 0 (the base, adapters off, is the reference)
     kv_cache_bytes: int  # the rollout's caches (decode and park rows)
     narrowing_bytes: int  # the tail's narrowed cache and its logits, beside the caches for a moment
     rollout_temp_bytes: int  # the rollout's widest prefill or decode loop
@@ -54,8 +55,8 @@ class Plan:
 
     @property
     def train_bytes(self) -> int:
-        return (self.held_bytes + self.batch_bytes + self.grads_bytes + 2 * self.gathered_bytes
-                + self.activation_bytes)  # the gathered weights and their gradients
+        return (self.held_bytes + self.batch_bytes + self.grads_bytes + self.train_gathered_bytes
+                + self.activation_bytes)
 
     @property
     def kv_peak_bytes(self) -> int:
@@ -140,15 +141,18 @@ def make_plan(cfg: TrainConfig, fsdp: int, tp: int, chip: str, prompt_tokens: in
             raise mem.PlanError(f"--mesh: {name} ({rows} rows) does not split over fsdp={fsdp}; use an fsdp that "
                                 f"divides {rows}, or change {name}")
     pm = cfg.model
+    model = dataclasses.replace(model, lora=pm.lora)  # the config's adapters (none for rank 0)
     tree = mem.param_shapes(model, pm)
-    n = mem.params_per_device(tree, fsdp, tp)
-    pb, cb = mem.dtype_bytes(pm.param_dtype), mem.dtype_bytes(pm.dtype)
+    held = mem.bytes_per_device(tree, fsdp, tp)
+    trained = mem.bytes_per_device(mem.adapter_shapes(tree), fsdp, tp) if pm.lora.rank else held
+    cb = mem.dtype_bytes(pm.dtype)
     remat, plain = (mem.activation_bytes(model, shapes, cb, r) for r in (True, False))
     mini, step = mem.batch_bytes(shapes)
     return Plan(model=cfg.model.path or "SmolLM2-135M-Instruct", chip=hw.name, fsdp=fsdp, tp=tp, shapes=shapes,
-                params_bytes=n * pb, grads_bytes=2 * n * pb, opt_state_bytes=2 * n * pb,
-                gathered_bytes=mem.gathered_bytes(tree, fsdp, tp, pb),
-                ref_bytes=n * pb if cfg.rl.loss.kl_coef else 0,
+                params_bytes=held, grads_bytes=2 * trained, opt_state_bytes=2 * trained,
+                gathered_bytes=mem.gathered_bytes(tree, fsdp, tp),
+                train_gathered_bytes=mem.train_gathered_bytes(tree, fsdp, tp, pm.lora.rank),
+                ref_bytes=held if cfg.rl.loss.kl_coef and not pm.lora.rank else 0,
                 kv_cache_bytes=mem.kv_cache_bytes(model, shapes, cb),
                 narrowing_bytes=mem.narrowing_bytes(model, shapes, cb),
                 rollout_temp_bytes=mem.rollout_temp_bytes(model, shapes, cb),

@@ -16,7 +16,8 @@ def format_table(plan: Plan, max_rows: int | None = None) -> str:
     rows = [
         ("params", plan.params_bytes), ("gradients", plan.grads_bytes), ("optimizer state", plan.opt_state_bytes),
         ("reference params", plan.ref_bytes),
-        ("weights gathered over fsdp (train: x2, gradients)", plan.gathered_bytes),
+        ("weights gathered over fsdp", plan.gathered_bytes),
+        ("  held by the train step (with their gradients)", plan.train_gathered_bytes),
         (f"KV cache ({sh.rollout_rows} rows x {sh.capacity} slots)", plan.kv_cache_bytes),
         (f"  + the tail's narrowed copy ({sh.narrow_rows} rows, a moment)", plan.narrowing_bytes),
         ("rollout temporaries", plan.rollout_temp_bytes),

@@ -12,7 +12,9 @@ a fake mesh of N devices is `XLA_FLAGS=--xla_force_host_platform_device_count=N`
 figures are per device: an SPMD program is compiled once for one device's shards.
 
 The AdamW moments are laid out as the params are (the sharding table's train layout), as
-`steps.init_state` lays them out (`steps.opt_state_shardings`).
+`steps.init_state` lays them out (`steps.opt_state_shardings`). With `model.lora.rank` > 0
+the state holds the adapters and the step takes the frozen base as its third argument
+(`steps.make_train_step`), as the trainer runs it; the rollout reads base + adapters.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from car_jax import sharding as shd
+from car_jax.models import lora
 from car_jax.models.config import ModelConfig, as_dtype
 from car_jax.models.decoder import Decoder
 from car_jax.models.policy import PLAIN
@@ -123,17 +126,22 @@ def xla_memory(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, shapes: Sha
     if unknown:
         raise ValueError(f"programs={programs}: unknown {sorted(unknown)}; pick from {PROGRAMS}")
     m = cfg.model
+    model_cfg = dataclasses.replace(model_cfg, lora=m.lora)  # the config's adapters (none for rank 0)
     module = Decoder(model_cfg, dtype=as_dtype(m.dtype), param_dtype=as_dtype(m.param_dtype), remat=m.remat,
                      policy=PLAIN)
     params = abstract_params(module, mesh)
     out = {}
     if "train_step" in programs:
         optimizer = make_optimizer(cfg.rl.optim)
-        state = abstract_state(params, optimizer, mesh)
-        step = make_train_step(module, optimizer, cfg.rl.loss, mesh, jax.tree.map(lambda x: x.sharding, state),
-                               temperature=cfg.rollout.logprob_temperature, horizon=cfg.rollout.max_response_length)
+        base, adapters = lora.split(params) if m.lora.rank else (None, params)
+        state = abstract_state(adapters, optimizer, mesh)
+        sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+        step = make_train_step(module, optimizer, cfg.rl.loss, mesh, sharding_of(state),
+                               temperature=cfg.rollout.logprob_temperature, horizon=cfg.rollout.max_response_length,
+                               frozen_shardings=None if base is None else sharding_of(base))
         batch = _batch(mesh, shapes.micro_batches, shapes.micro_rows, shapes.prompt, shapes.response)
-        out["train_step"] = Compiled.of(step.lower(state, batch).compile(OPTIONS))
+        frozen = () if base is None else (base,)
+        out["train_step"] = Compiled.of(step.lower(state, batch, *frozen).compile(OPTIONS))
 
     rows = NamedSharding(mesh, P("fsdp"))
     b, v = shapes.rollout_rows, model_cfg.vocab_size

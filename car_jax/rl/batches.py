@@ -158,14 +158,17 @@ def _scatter(mesh: Mesh | None, n: int):
     return jax.jit(scatter) if mesh is None else jax.jit(scatter, out_shardings=NamedSharding(mesh, P("fsdp")))
 
 
-def make_scorer(reward: RewardFn, std_norm: bool = True, mesh: Mesh | None = None):
+def make_scorer(reward: RewardFn, std_norm: bool = True, mesh: Mesh | None = None, shaping=None):
     """Jitted `score(batch) -> (batch with advantages, rewards float32[B])`: each row's
-    reward from its reward inputs (correct, q, format_ok) and the GRPO advantages within
+    reward from its reward inputs (correct, q, format_ok), plus `shaping` of its number of
+    model-written tokens when given (`rewards.overlong_fn`), and the GRPO advantages within
     its group over the kept rows (`grpo.group_advantages(valid=batch.keep)`: a dropped row
     gets advantage 0 and leaves its group's mean and std), on the device: the advantages go
     straight into the train step, and only metrics of the rewards come back."""
     def score(batch: TrainBatch):
         rewards = reward(batch.correct, batch.q, batch.format_ok)
+        if shaping is not None:
+            rewards = rewards + shaping(batch.mask.sum(-1))
         adv = grpo.group_advantages(rewards, batch.group, std_norm=std_norm, valid=batch.keep)
         return batch.replace(advantages=adv), rewards
 

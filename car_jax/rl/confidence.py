@@ -61,7 +61,7 @@ from jax.sharding import PartitionSpec as P
 
 from car_jax import hosts
 from car_jax.models.decoder import Decoder
-from car_jax.rl.logprobs import response_logprobs
+from car_jax.rl.logprobs import Prompts, response_logprobs
 from car_jax.rl.steps import traced_on
 from car_jax.rollout.generate import left_pad, length_bucket, round_up
 
@@ -192,7 +192,7 @@ def _score(module: Decoder, params, prompt, prompt_valid, tokens, valid, prompt_
     right-padded (valid bool[X, R]), row x after prompt prompt_index[x] -> float32[X]: the
     summed log-probs (temperature 1) of each row's valid tokens. The head runs one
     position at a time, so one [X, V] block of logits exists at once."""
-    logp, _ = response_logprobs(module, params, prompt, prompt_valid, tokens, valid, prompt_index, chunk=1)
+    logp, _ = response_logprobs(module, params, Prompts(prompt, prompt_valid, prompt_index), tokens, valid, chunk=1)
     return jnp.sum(jnp.where(valid, logp, 0.0), axis=1)
 
 

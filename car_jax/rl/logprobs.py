@@ -2,9 +2,9 @@
 
 The decoder runs once to the final hidden states [B, T, D] (`token_logprobs`, full
 sequences) or [B, R, D] (`response_hidden` / `response_logprobs`: responses after shared
-prompts, what the train steps and the reference pass use); the vocabulary projection,
-log-softmax, entropy and gather then run over chunks of positions inside a `lax.scan`
-(`to_chunks`, `chunked_head`). Each chunk is one custom-gradient op (`head_stats`): its
+prompts, given as one `Prompts`, what the train steps and the reference pass use); the
+vocabulary projection, log-softmax, entropy and gather then run over chunks of positions
+inside a `lax.scan` (`to_chunks`, `chunked_head`). Each chunk is one custom-gradient op (`head_stats`): its
 forward keeps only the chunk's hidden states and two numbers per position, and its
 backward recomputes the chunk's logits and writes the gradient in closed form, so both
 passes hold one chunk's logits [B, C, V] at a time and pay for two exponentials per
@@ -13,11 +13,13 @@ step skips that recompute: `head_loss` differentiates its loss inside the forwar
 The sums over the vocabulary and the transposes of the backward products are the
 execution policy's (`policy.row_sum`, `policy.transpose`).
 Letters (`car_jax.dims`): X rows (positions of a chunk, flattened), C positions per
-chunk, R response length.
+chunk, B rows, R response length, U distinct prompts, P prompt length, D model width,
+V vocabulary.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,24 @@ from car_jax.models.decoder import Decoder
 from car_jax.models.fused import dot32
 from car_jax.models.policy import PLAIN, ExecutionPolicy
 from car_jax.models.prompt_forward import prompt_response_hidden
+
+
+class ChunkSoftmax(NamedTuple):
+    """What the head's closed-form backward (`head_grads`) reads of one chunk's softmax, as
+    `softmax_stats` computed it: the logits x float32[X, V] (already scaled by inv_t), and
+    lse and entropy float32[X]."""
+    x: jax.Array
+    lse: jax.Array
+    entropy: jax.Array
+
+
+class Prompts(NamedTuple):
+    """The prompts that responses [B, R] continue, each distinct prompt once
+    (`models.prompt_forward`): tokens int32[U, P] left-padded, valid bool[U, P], and index
+    int32[B], row b after prompt index[b] (None: row b after prompt b, U == B)."""
+    tokens: jax.Array
+    valid: jax.Array
+    index: jax.Array | None = None
 
 
 def _logits(h, w, inv_t: float):
@@ -59,10 +79,12 @@ def _head_fwd(h, w, y, inv_t, policy):
     return (logp, entropy), (h, w, y, lse, entropy)
 
 
-def head_grads(h, w, y, x, lse, entropy, g_lp, g_ent, inv_t: float, policy: ExecutionPolicy = PLAIN):
-    """Back through the head in closed form: given the logits x [X, V] (already scaled by
-    inv_t), lse and entropy [X] from `softmax_stats`, and the cotangents g_lp / g_ent [X]
-    of logp_y and the entropy, returns (dh [X, D] in h's dtype, dw float32[D, V])."""
+def head_grads(h, w, y, sm: ChunkSoftmax, g_lp, g_ent, inv_t: float, policy: ExecutionPolicy = PLAIN):
+    """Back through the head in closed form: given h [X, D], w [D, V], the targets y
+    int32[X], the chunk's softmax `sm` (the logits x [X, V] already scaled by inv_t, lse
+    and entropy [X] from `softmax_stats`), and the cotangents g_lp / g_ent [X] of logp_y
+    and the entropy, returns (dh [X, D] in h's dtype, dw float32[D, V])."""
+    x, lse, entropy = sm
     # d logp_y / dx = onehot(y) - p;  d H / dx = -p (x - lse + H), with p = exp(x - lse)
     p = jnp.exp(x - lse[:, None])
     onehot = jnp.arange(x.shape[-1], dtype=y.dtype)[None, :] == y[:, None]
@@ -75,7 +97,7 @@ def head_grads(h, w, y, x, lse, entropy, g_lp, g_ent, inv_t: float, policy: Exec
 
 def _head_bwd(inv_t, policy, res, g):
     h, w, y, lse, entropy = res
-    dh, dw = head_grads(h, w, y, _logits(h, w, inv_t), lse, entropy, *g, inv_t, policy)
+    dh, dw = head_grads(h, w, y, ChunkSoftmax(_logits(h, w, inv_t), lse, entropy), *g, inv_t, policy)
     return dh, dw.astype(w.dtype), None
 
 
@@ -135,23 +157,22 @@ def token_logprobs(module: Decoder, params, tokens: jax.Array, valid: jax.Array 
     return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, entropy], axis=1)
 
 
-def response_hidden(module: Decoder, params, prompt: jax.Array, prompt_valid: jax.Array, tokens: jax.Array,
-                    valid: jax.Array, prompt_index: jax.Array | None = None) -> jax.Array:
+def response_hidden(module: Decoder, params, prompts: Prompts, tokens: jax.Array, valid: jax.Array) -> jax.Array:
     """[B, R, D] final hidden states that predict each response token: slot r holds the
     state after the prompt and tokens[:, :r] (arguments as `response_logprobs`)."""
-    last, hidden = prompt_response_hidden(module, params, prompt, prompt_valid, tokens, valid, prompt_index)
+    last, hidden = prompt_response_hidden(module, params, prompts.tokens, prompts.valid, tokens, valid,
+                                          prompts.index)
     return jnp.concatenate([last[:, None], hidden[:, :-1]], axis=1)
 
 
-def response_logprobs(module: Decoder, params, prompt: jax.Array, prompt_valid: jax.Array, tokens: jax.Array,
-                      valid: jax.Array, prompt_index: jax.Array | None = None, *, temperature: float = 1.0,
-                      chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+def response_logprobs(module: Decoder, params, prompts: Prompts, tokens: jax.Array, valid: jax.Array, *,
+                      temperature: float = 1.0, chunk: int = 128) -> tuple[jax.Array, jax.Array]:
     """Log-probs of responses after prompts, each distinct prompt run once
-    (`models.prompt_forward`): prompt int32[U, P] left-padded (prompt_valid bool[U, P]),
-    tokens int32[B, R] right-padded (valid bool[B, R]), row b after prompt
-    prompt_index[b] (None: prompt b). Returns (logp, entropy) float32[B, R]: logp[b, r]
-    = log softmax(logits / temperature)[tokens[b, r]] given the prompt and tokens[b, :r]
-    (the same numbers as `token_logprobs` of the concatenated sequence, at its response
+    (`models.prompt_forward`): `prompts` (`Prompts`: tokens int32[U, P] left-padded, valid
+    bool[U, P], index int32[B] or None), tokens int32[B, R] right-padded (valid bool[B, R]),
+    row b after prompt prompts.index[b] (None: prompt b). Returns (logp, entropy)
+    float32[B, R]: logp[b, r] = log softmax(logits / temperature)[tokens[b, r]] given the
+    prompt and tokens[b, :r] (the same numbers as `token_logprobs` of the concatenated sequence, at its response
     positions), and the entropy of that distribution."""
-    h = response_hidden(module, params, prompt, prompt_valid, tokens, valid, prompt_index)
+    h = response_hidden(module, params, prompts, tokens, valid)
     return chunked_head(h, tokens, unembedding(module, params), 1.0 / temperature, chunk, module.policy)

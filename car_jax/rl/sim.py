@@ -5,9 +5,11 @@ states a verbal confidence, and GRPO trains it under one of car_jax's rewards. E
 pure and jitted (`lax.scan` over steps): a 600-step run takes about a second once compiled,
 and `run_family` trains many rewards at once under `vmap`.
 
-Dimension letters: N questions in the pool, P prompts per step, G samples per prompt (one GRPO
-group), K confidence bins (the verbal confidence is an integer k in 0..K-1, q = k / (K - 1), so
-K = 101 is "0..100"), S steps, Q points of a q grid, M runs of a sweep.
+Shapes are written in words here, not in `car_jax.dims`' letters (those name the model's and
+the trainer's dimensions): questions (of the pool), prompts (a step's), group (samples per
+prompt, one GRPO group), bins (the verbal confidence is an integer k in 0..bins-1,
+q = k / (bins - 1), so 101 bins are "0..100"), steps, grid (points of a q grid), probs (values
+of p), runs (of a sweep); B is a flat batch of rows, as elsewhere.
 
 The policy (`Params`), for question n of difficulty d_n ~ N(difficulty_mean, difficulty_std^2):
     self-knowledge  h_n = p_n = sigmoid(skill - d_n)                  (a learnable skill)
@@ -26,8 +28,8 @@ init_conf_slope * h and width init_conf_width (an overconfident pretrained model
 abstention initially states q near 0.
 
 Training: one GRPO step per batch, on-policy, so the PPO ratio is 1, clipping is inactive and
-the loss reduces to -mean(A * log pi(a, c, k)) with A = (r - mean_G r) / (std_G(r, ddof=1) + eps)
-(the trainer's `rl.grpo.group_advantages`), or A = r - mean_G r with `std_normalize=False`
+the loss reduces to -mean(A * log pi(a, c, k)) with A = (r - mean_group r) / (std_group(r, ddof=1) + eps)
+(the trainer's `rl.grpo.group_advantages`), or A = r - mean_group r with `std_norm=False`
 (Dr.GRPO). Adam; the skill's steps are `skill_lr_scale` times the heads' (RL moves knowledge less than style);
 no KL or entropy term (there is no reference model here).
 """
@@ -56,25 +58,25 @@ class SimConfig:
     n_questions: int = 512  # N
     difficulty_mean: float = 2.0  # d ~ N(mean, std^2); p = sigmoid(skill - d)
     difficulty_std: float = 2.0
-    prompts_per_step: int = 64  # P
-    group_size: int = 8  # G
-    steps: int = 600  # S
+    prompts_per_step: int = 64  # prompts
+    group_size: int = 8  # group
+    steps: int = 600
     lr: float = 0.05  # Adam step size
     skill_lr_scale: float = 0.05  # the skill's step is lr * skill_lr_scale (knowledge moves slowly)
-    n_bins: int = 101  # K: verbal confidence 0..K-1
+    n_bins: int = 101  # bins: verbal confidence 0..n_bins-1
     init_skill: float = 0.0
     init_attempt_logit: float = 3.0  # P(attempt) = sigmoid(3) = 0.95 at the start
     init_conf_mean: float = 0.6  # initial peak of q at mean + slope * h (cut to [0, 1])
     init_conf_slope: float = 0.3
     init_conf_width: float = 0.15  # std of the initial discretized Gaussian over q
     abstain: bool = True  # the policy may give no answer (always wrong)
-    std_normalize: bool = True  # GRPO divides by the group std; False: Dr.GRPO (mean only)
+    std_norm: bool = True  # GRPO divides by the group std; False: Dr.GRPO (mean only)
     eps: float = 1e-6  # GRPO's std epsilon
 
 
 class Params(NamedTuple):
     """The policy. skill f32[]; attempt f32[2] (bias, slope on h of the attempt logit);
-    conf_bias, conf_slope, conf_abstain f32[K] (confidence logits, see the module doc)."""
+    conf_bias, conf_slope, conf_abstain f32[bins] (confidence logits, see the module doc)."""
 
     skill: jax.Array
     attempt: jax.Array
@@ -90,16 +92,16 @@ def outcome_reward(cfg: rewards.RewardConfig) -> OutcomeReward:
 
 
 def expected_reward(reward: OutcomeReward, p, q) -> jax.Array:
-    """E[R] = p R(1, q) + (1 - p) R(0, q) for p f32[Pp] and q f32[Q] -> f32[Pp, Q]."""
+    """E[R] = p R(1, q) + (1 - p) R(0, q) for p f32[probs] and q f32[grid] -> f32[probs, grid]."""
     q = jnp.asarray(q, jnp.float32)
-    right = reward(jnp.ones(q.shape, bool), q)  # f32[Q]
-    wrong = reward(jnp.zeros(q.shape, bool), q)  # f32[Q]
+    right = reward(jnp.ones(q.shape, bool), q)  # f32[grid]
+    wrong = reward(jnp.zeros(q.shape, bool), q)  # f32[grid]
     p = jnp.asarray(p, jnp.float32)[:, None]
     return p * right + (1.0 - p) * wrong
 
 
 def numeric_q_star(reward: OutcomeReward, p, q) -> jax.Array:
-    """argmax over the grid q f32[Q] of E[R](p, q), for each p f32[Pp] -> f32[Pp].
+    """argmax over the grid q f32[grid] of E[R](p, q), for each p f32[probs] -> f32[probs].
 
     Ties go to the smallest q (so a reward flat in q, like binary, reports q = 0).
     """
@@ -115,20 +117,20 @@ def mscr_q_star(p, b1=1.0, b2=1.0) -> jax.Array:
     return p * b1 / (p * b1 + (1.0 - p) * b2)
 
 
-def group_advantages(r: jax.Array, eps: float = 1e-6, std_normalize: bool = True) -> jax.Array:
-    """GRPO advantages with each row of r f32[P, G] a group (`rl.grpo.group_advantages`, the
-    trainer's): (r - mean_G) / (std_G(ddof=1) + eps), f32[P, G]; with std_normalize=False
-    (Dr.GRPO) just r - mean_G.
+def group_advantages(r: jax.Array, eps: float = 1e-6, std_norm: bool = True) -> jax.Array:
+    """GRPO advantages with each row of r f32[prompts, group] a group (`rl.grpo.group_advantages`, the
+    trainer's): (r - mean_group) / (std_group(ddof=1) + eps), f32[prompts, group]; with std_norm=False
+    (Dr.GRPO) just r - mean_group.
 
     A group whose rewards are all equal gets A = 0: it carries no learning signal.
     """
     p, g = r.shape
     groups = jnp.repeat(jnp.arange(p, dtype=jnp.int32), g)
-    return grpo.group_advantages(r.reshape(-1), groups, std_norm=std_normalize, eps=eps).reshape(p, g)
+    return grpo.group_advantages(r.reshape(-1), groups, std_norm=std_norm, eps=eps).reshape(p, g)
 
 
 def difficulties(cfg: SimConfig, key: jax.Array) -> jax.Array:
-    """The question pool: f32[N] difficulties, N(difficulty_mean, difficulty_std^2)."""
+    """The question pool: f32[questions] difficulties, N(difficulty_mean, difficulty_std^2)."""
     return cfg.difficulty_mean + cfg.difficulty_std * jax.random.normal(key, (cfg.n_questions,))
 
 
@@ -136,7 +138,7 @@ def init_params(cfg: SimConfig) -> Params:
     """The initial policy: skill = init_skill, mostly attempting, a discretized-Gaussian
     confidence head whose mean rises with h (overconfident when init_conf_mean is high);
     an abstention states q near 0."""
-    qk = jnp.linspace(0.0, 1.0, cfg.n_bins)  # f32[K]
+    qk = jnp.linspace(0.0, 1.0, cfg.n_bins)  # f32[bins]
     t = 2.0 * cfg.init_conf_width**2
     bias = -((qk - cfg.init_conf_mean) ** 2) / t
     slope = 2.0 * cfg.init_conf_slope * qk / t  # shifts the peak by init_conf_slope * h
@@ -147,7 +149,8 @@ def init_params(cfg: SimConfig) -> Params:
 
 
 class Sample(NamedTuple):
-    """G draws for each of P questions: attempted, correct bool[P, G]; k int32[P, G] (q = k/(K-1))."""
+    """`group` draws for each of the prompts: attempted, correct bool[prompts, group];
+    k int32[prompts, group] (q = k / (bins - 1))."""
 
     attempted: jax.Array
     correct: jax.Array
@@ -155,7 +158,7 @@ class Sample(NamedTuple):
 
 
 def _heads(params: Params, d: jax.Array):
-    """d f32[P] -> (answer logit z f32[P], attempt logit f32[P], self-knowledge h f32[P])."""
+    """d f32[prompts] -> (answer logit z f32[prompts], attempt logit f32[prompts], self-knowledge h f32[prompts])."""
     z = params.skill - d
     h = jax.nn.sigmoid(z)
     attempt = params.attempt[0] + params.attempt[1] * h
@@ -163,7 +166,8 @@ def _heads(params: Params, d: jax.Array):
 
 
 def _conf_logits(params: Params, h: jax.Array, attempted: jax.Array) -> jax.Array:
-    """h f32[P], attempted bool[P, G] -> confidence logits f32[P, G, K]; an abstention reads
+    """h f32[prompts], attempted bool[prompts, group] -> confidence logits
+    f32[prompts, group, bins]; an abstention reads
     h = 0 (no answer cannot be right) plus its own offset conf_abstain."""
     a = attempted[..., None]
     return (params.conf_bias + params.conf_slope * jnp.where(a, h[:, None, None], 0.0)
@@ -171,7 +175,7 @@ def _conf_logits(params: Params, h: jax.Array, attempted: jax.Array) -> jax.Arra
 
 
 def sample(cfg: SimConfig, params: Params, d: jax.Array, key: jax.Array, g: int) -> Sample:
-    """Samples g (attempt, correctness, confidence) triples per question of d f32[P]."""
+    """Samples g (attempt, correctness, confidence) triples per question of d f32[prompts]."""
     z, attempt, h = _heads(params, d)
     ka, kc, kq = jax.random.split(key, 3)
     shape = (d.shape[0], g)
@@ -179,12 +183,12 @@ def sample(cfg: SimConfig, params: Params, d: jax.Array, key: jax.Array, g: int)
     if not cfg.abstain:
         attempted = jnp.ones(shape, bool)
     correct = attempted & jax.random.bernoulli(kc, jax.nn.sigmoid(z)[:, None], shape)
-    k = jax.random.categorical(kq, _conf_logits(params, h, attempted))  # int32[P, G]
+    k = jax.random.categorical(kq, _conf_logits(params, h, attempted))  # int32[prompts, group]
     return Sample(attempted, correct, k.astype(jnp.int32))
 
 
 def log_prob(cfg: SimConfig, params: Params, d: jax.Array, s: Sample) -> jax.Array:
-    """log pi(attempt, c, k | question) for d f32[P] and a Sample of [P, G] -> f32[P, G]."""
+    """log pi(attempt, c, k | question) for d f32[prompts] and a Sample of [prompts, group] -> f32[prompts, group]."""
     z, attempt, h = _heads(params, d)
     lp_a = jnp.where(s.attempted, jax.nn.log_sigmoid(attempt)[:, None],
                      jax.nn.log_sigmoid(-attempt)[:, None])
@@ -192,13 +196,13 @@ def log_prob(cfg: SimConfig, params: Params, d: jax.Array, s: Sample) -> jax.Arr
         lp_a = jnp.zeros_like(lp_a)
     lp_c = jnp.where(s.correct, jax.nn.log_sigmoid(z)[:, None], jax.nn.log_sigmoid(-z)[:, None])
     lp_c = jnp.where(s.attempted, lp_c, 0.0)  # no answer, no correctness draw
-    logp_k = jax.nn.log_softmax(_conf_logits(params, h, s.attempted))  # f32[P, G, K]
+    logp_k = jax.nn.log_softmax(_conf_logits(params, h, s.attempted))  # f32[prompts, group, bins]
     lp_k = jnp.take_along_axis(logp_k, s.k[..., None], -1)[..., 0]
     return lp_a + lp_c + lp_k
 
 
 def optimizer(cfg: SimConfig) -> optax.GradientTransformation:
-    """Adam at lr (as LLM RL uses; plain SGD would let the K bias logits crawl), the skill's
+    """Adam at lr (as LLM RL uses; plain SGD would let the bias logits of the bins crawl), the skill's
     step scaled by skill_lr_scale."""
     scale = Params(cfg.skill_lr_scale, 1.0, 1.0, 1.0, 1.0)
     return optax.chain(optax.adam(cfg.lr),
@@ -207,7 +211,7 @@ def optimizer(cfg: SimConfig) -> optax.GradientTransformation:
 
 def grpo_step(cfg: SimConfig, reward: OutcomeReward, state: tuple[Params, optax.OptState],
               pool: jax.Array, key: jax.Array):
-    """One GRPO step on P prompts drawn from the pool f32[N]: (params, opt_state) ->
+    """One GRPO step on cfg.prompts_per_step prompts drawn from the pool f32[questions]: (params, opt_state) ->
     ((params, opt_state), metrics of f32[]).
 
     Metrics are over the P * G training samples: accuracy, ece, mean_confidence, reward,
@@ -216,11 +220,11 @@ def grpo_step(cfg: SimConfig, reward: OutcomeReward, state: tuple[Params, optax.
     """
     params, opt_state = state
     kp, ks = jax.random.split(key)
-    d = pool[jax.random.randint(kp, (cfg.prompts_per_step,), 0, pool.shape[0])]  # f32[P]
-    s = sample(cfg, params, d, ks, cfg.group_size)  # [P, G] each
+    d = pool[jax.random.randint(kp, (cfg.prompts_per_step,), 0, pool.shape[0])]  # f32[prompts]
+    s = sample(cfg, params, d, ks, cfg.group_size)  # [prompts, group] each
     q = s.k.astype(jnp.float32) / (cfg.n_bins - 1)
-    r = reward(s.correct.reshape(-1), q.reshape(-1)).reshape(q.shape)  # f32[P, G]
-    adv = group_advantages(r, cfg.eps, cfg.std_normalize)
+    r = reward(s.correct.reshape(-1), q.reshape(-1)).reshape(q.shape)  # f32[prompts, group]
+    adv = group_advantages(r, cfg.eps, cfg.std_norm)
 
     def loss(p: Params) -> jax.Array:
         return -jnp.mean(adv * log_prob(cfg, p, d, s))
@@ -241,8 +245,8 @@ def grpo_step(cfg: SimConfig, reward: OutcomeReward, state: tuple[Params, optax.
 
 
 def simulate(cfg: SimConfig, reward: OutcomeReward, key: jax.Array):
-    """A full run (pure; jit it, or call `run`). key -> (final Params, history {name: f32[S]},
-    pool f32[N]). The pool depends on `key` only, so runs with one key share their questions."""
+    """A full run (pure; jit it, or call `run`). key -> (final Params, history {name: f32[steps]},
+    pool f32[questions]). The pool depends on `key` only, so runs with one key share their questions."""
     k_pool, k_train = jax.random.split(key)
     pool = difficulties(cfg, k_pool)
 
@@ -257,8 +261,8 @@ def simulate(cfg: SimConfig, reward: OutcomeReward, key: jax.Array):
 
 def evaluate(cfg: SimConfig, params: Params, pool: jax.Array, key: jax.Array,
              samples: int = 16) -> dict[str, jax.Array]:
-    """Fresh samples, `samples` per question of the pool f32[N] -> metrics.calibration_arrays
-    over the N * samples (correct, q) pairs (dict of f32[])."""
+    """Fresh samples, `samples` per question of the pool f32[questions] -> metrics.calibration_arrays
+    over the questions x samples (correct, q) pairs (dict of f32[])."""
     s = sample(cfg, params, pool, key, samples)
     q = s.k.astype(jnp.float32) / (cfg.n_bins - 1)
     out = metrics.calibration_arrays(s.correct.reshape(-1), q.reshape(-1))
@@ -273,7 +277,7 @@ def _run(cfg: SimConfig, reward: OutcomeReward, key: jax.Array):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def run(cfg: SimConfig, reward: OutcomeReward, key: jax.Array):
-    """Jitted `simulate` + `evaluate`: -> (Params, history {name: f32[S]}, final {name: f32[]}).
+    """Jitted `simulate` + `evaluate`: -> (Params, history {name: f32[steps]}, final {name: f32[]}).
 
     `reward` is static: pass the same function object to reuse the compiled run.
     """
@@ -303,7 +307,7 @@ def family_theta(cfg: rewards.RewardConfig) -> tuple[float, float, float]:
 @functools.partial(jax.jit, static_argnums=0)
 def run_family(cfg: SimConfig, thetas: jax.Array, key: jax.Array):
     """`run` under M rewards of the family at once (vmap, one compile per cfg):
-    thetas f32[M, 3] -> (history {name: f32[M, S]}, final {name: f32[M]}), row i for thetas[i].
+    thetas f32[runs, 3] -> (history {name: f32[runs, steps]}, final {name: f32[runs]}), row i for thetas[i].
 
     Every run uses the same key, hence the same question pool and the same random stream.
     """
@@ -315,12 +319,12 @@ def run_family(cfg: SimConfig, thetas: jax.Array, key: jax.Array):
 
 
 def row(tree: dict, i: int) -> dict:
-    """Row i of every array of a batched result ({name: f[M, ...]} -> {name: f[...]})."""
+    """Row i of every array of a batched result ({name: f[runs, ...]} -> {name: f[...]})."""
     return {k: v[i] for k, v in tree.items()}
 
 
 def moving_average(x, window: int = 20) -> np.ndarray:
-    """Host smoothing for plots: x f[S] -> float64[S - window + 1], means of `window` steps."""
+    """Host smoothing for plots: x f[steps] -> float64[steps - window + 1], means of `window` steps."""
     return np.convolve(np.asarray(x, np.float64), np.ones(window) / window, mode="valid")
 
 

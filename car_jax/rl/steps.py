@@ -7,6 +7,12 @@ run once (`logprobs.response_hidden`), with the loss fused into the vocabulary p
 each is normalised by the whole mini-batch's token / sequence counts (`grpo.Norm`), so
 the sum is exactly the mini-batch gradient. One optax update (AdamW, global-norm
 clipping, warmup then constant or cosine) follows.
+
+The state's params are what the step trains. With LoRA (`ModelConfig.lora.rank` > 0) they
+are the adapters alone (`models.lora`) and the steps take the frozen base as a third
+argument, `step(state, batch, base)`: the forward reads `lora.join(base, adapters)`, the
+gradient, the optimizer state and the update cover the adapters only, and the base is
+never differentiated, donated or copied.
 """
 from __future__ import annotations
 
@@ -22,10 +28,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from car_jax.config import require
+from car_jax.models import lora
 from car_jax.models.decoder import Decoder
 from car_jax.rl import grpo
-from car_jax.rl.head_loss import grpo_head_loss
-from car_jax.rl.logprobs import response_hidden, response_logprobs, unembedding
+from car_jax.rl.head_loss import HeadSpec, grpo_head_loss
+from car_jax.rl.logprobs import Prompts, response_hidden, response_logprobs, unembedding
 
 Batch = dict[str, jax.Array]
 # prompt int32[M, u, P] (left-padded), prompt_valid bool[M, u, P], prompt_index int32[M, b]
@@ -80,7 +87,7 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 
 @struct.dataclass
 class TrainState:
-    params: Any
+    params: Any  # what is trained: the whole model's params, or with LoRA the adapters alone
     opt_state: Any
     step: jax.Array  # int32[]
 
@@ -123,41 +130,59 @@ def state_shardings(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
-def _prompt_index(micro: Batch):
-    """The micro-batch's row -> prompt index, or None when prompts are positional (u == b)."""
-    return None if micro["prompt"].shape[0] == micro["tokens"].shape[0] else micro["prompt_index"]
+def _prompts(micro: Batch) -> Prompts:
+    """The micro-batch's prompts, with the row -> prompt index, or None for it when prompts
+    are positional (u == b)."""
+    index = None if micro["prompt"].shape[0] == micro["tokens"].shape[0] else micro["prompt_index"]
+    return Prompts(micro["prompt"], micro["prompt_valid"], index)
 
 
 def micro_logprobs(module: Decoder, params, micro: Batch, temperature: float = 1.0, chunk: int = 128):
     """(logp, entropy) float32[b, R] of one micro-batch's responses (see BATCH_KEYS)."""
-    return response_logprobs(module, params, micro["prompt"], micro["prompt_valid"], micro["tokens"],
-                             micro["valid"], _prompt_index(micro), temperature=temperature, chunk=chunk)
+    return response_logprobs(module, params, _prompts(micro), micro["tokens"], micro["valid"],
+                             temperature=temperature, chunk=chunk)
 
 
-def _micro_loss(params, module: Decoder, micro: Batch, cfg: grpo.LossConfig, norm: grpo.Norm, temperature: float):
+def _micro_loss(params, module: Decoder, micro: Batch, cfg: grpo.LossConfig, norm: grpo.Norm, temperature: float,
+                head_grad: bool = True):
     """(loss, metrics) of one micro-batch: `grpo.grpo_loss` of its responses' log-probs at
-    `temperature`, with the loss fused into the vocabulary projection (`head_loss`)."""
-    h = response_hidden(module, params, micro["prompt"], micro["prompt_valid"], micro["tokens"], micro["valid"],
-                        _prompt_index(micro))
+    `temperature`, with the loss fused into the vocabulary projection (`head_loss`; without
+    `head_grad`, for a frozen unembedding, its gradient is not computed)."""
+    h = response_hidden(module, params, _prompts(micro), micro["tokens"], micro["valid"])
     sampler = None if cfg.tis_cap is None else micro["sampler_logp"]
-    loss, logp, entropy = grpo_head_loss(h, unembedding(module, params), micro["tokens"], micro["old_logp"],
-                                         micro["ref_logp"], micro["advantages"], micro["mask"], cfg, norm,
-                                         policy=module.policy, sampler_logp=sampler, temperature=temperature)
-    _, metrics = grpo.grpo_loss(logp, entropy, micro["old_logp"], micro["ref_logp"], micro["advantages"],
-                                micro["mask"], cfg, norm, sampler)
+    targets = grpo.LossTargets(micro["old_logp"], micro["ref_logp"], micro["advantages"], micro["mask"], sampler)
+    loss, logp, entropy = grpo_head_loss(h, unembedding(module, params), micro["tokens"], targets, cfg, norm,
+                                         HeadSpec(policy=module.policy, temperature=temperature, head_grad=head_grad))
+    _, metrics = grpo.grpo_loss(logp, entropy, targets, cfg, norm)
     return loss, metrics
 
 
-def accumulate(module: Decoder, micro_loss, params, batch: Batch, horizon: float | None = None):
+def check_frozen(module: Decoder, frozen) -> None:
+    """A LoRA module's steps (their state holds the adapters) need the frozen base, a full
+    one's take none: ValueError naming the fix otherwise."""
+    if module.cfg.lora.rank and frozen is None:
+        raise ValueError(f"model.lora.rank={module.cfg.lora.rank}: the state holds the adapters alone; pass the "
+                         f"frozen base params as the step's third argument, step(state, batch, base)")
+    if not module.cfg.lora.rank and frozen is not None:
+        raise ValueError("a frozen base was passed to a step of a model without LoRA adapters (model.lora.rank=0); "
+                         "the state's params are the whole model: call step(state, batch)")
+
+
+def accumulate(module: Decoder, micro_loss, params, batch: Batch, horizon: float | None = None, frozen=None):
     """(summed grads, summed metrics, summed loss) of `micro_loss(params, micro, norm) ->
     (loss, metrics)` over the M micro-batches of one mini-batch [M, b, ...], in a
     `lax.scan`. `norm` (`grpo.Norm`) is the whole mini-batch's, so each micro-batch's loss
     and metrics are partial sums (token / sequence weighted) and their sums are exactly the
     mini-batch's values, and so is the summed gradient; its horizon is the given constant
     (Dr.GRPO's), never the batch's padded width. The GRPO and the SFT steps both
-    accumulate here."""
+    accumulate here. With `frozen` (LoRA's base) `micro_loss` reads `lora.join(frozen,
+    params)` and the gradients are those of `params` (the adapters) alone."""
     t = batch["tokens"].shape[-1]
     norm = grpo.norm_of(batch["mask"].reshape(-1, t), horizon)
+    if frozen is not None:  # split like the trained params (XLA_CPU, bf16), so that the two join layer by layer
+        frozen = module.policy.train_params(frozen, module.dtype)
+        base_loss = micro_loss
+        micro_loss = lambda p, micro, norm: base_loss(lora.join(frozen, p), micro, norm)  # noqa: E731
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def body(acc, micro):
@@ -173,12 +198,13 @@ def accumulate(module: Decoder, micro_loss, params, batch: Batch, horizon: float
 
 
 def grads_and_metrics(module: Decoder, cfg: grpo.LossConfig, params, batch: Batch, *, temperature: float = 1.0,
-                      horizon: float | None = None):
+                      horizon: float | None = None, frozen=None):
     """(summed grads, metrics, loss) of the GRPO loss over the micro-batches of one mini-batch:
     log-probs at the rollout's `temperature`, Dr.GRPO's constant `horizon` (see
-    `make_train_step`)."""
-    return accumulate(module, lambda p, micro, norm: _micro_loss(p, module, micro, cfg, norm, temperature), params,
-                      batch, horizon)
+    `make_train_step`); with LoRA, gradients of the adapters `params` over the `frozen` base."""
+    head_grad = frozen is None  # LoRA: the unembedding is part of the frozen base
+    return accumulate(module, lambda p, micro, norm: _micro_loss(p, module, micro, cfg, norm, temperature, head_grad),
+                      params, batch, horizon, frozen)
 
 
 def _apply(optimizer: optax.GradientTransformation, state: TrainState, grads) -> TrainState:
@@ -188,8 +214,11 @@ def _apply(optimizer: optax.GradientTransformation, state: TrainState, grads) ->
 
 def make_train_step(module: Decoder, optimizer: optax.GradientTransformation, cfg: grpo.LossConfig,
                     mesh: Mesh | None = None, state_shardings=None, *, temperature: float,
-                    horizon: float | None = None):
-    """Jitted `train_step(state, batch) -> (state, metrics)`, state donated. `temperature` is
+                    horizon: float | None = None, frozen_shardings=None):
+    """Jitted `train_step(state, batch) -> (state, metrics)`, state donated; with LoRA
+    `train_step(state, batch, base)`, the state's params the adapters and `base` the frozen
+    params (not donated; on a mesh in `frozen_shardings`, the table's train layout of the
+    base: `sharding.params_shardings`). `temperature` is
     the rollout's log-prob temperature (`EpisodeConfig.logprob_temperature`): the step's
     log-probs use logits / temperature, as the sampler's did. `horizon` is the episode's
     maximum response length (`EpisodeConfig.max_response_length`), Dr.GRPO's constant
@@ -205,26 +234,39 @@ def make_train_step(module: Decoder, optimizer: optax.GradientTransformation, cf
         raise ValueError(grpo.NO_HORIZON)
     if mesh is None:
         return _unsharded_step(module, optimizer, cfg, temperature, horizon)
-    return _build_step(module, optimizer, cfg, temperature, horizon, mesh, state_shardings)
+    return _build_step(module, optimizer, cfg, temperature, horizon, mesh, state_shardings, frozen_shardings)
 
 
 @functools.lru_cache(maxsize=8)
 def _unsharded_step(module, optimizer, cfg, temperature, horizon):
-    return _build_step(module, optimizer, cfg, temperature, horizon, None, None)
+    return _build_step(module, optimizer, cfg, temperature, horizon, None, None, None)
 
 
-def _build_step(module, optimizer, cfg, temperature, horizon, mesh, state_shardings):
+def _frozen_in(module: Decoder, mesh: Mesh | None, frozen_shardings) -> tuple:
+    """The in_shardings entry of a step's frozen base: () for a full model's 2-argument step,
+    (frozen_shardings,) for a LoRA step on a mesh (needed there)."""
+    if not module.cfg.lora.rank:
+        return ()
+    if mesh is not None and frozen_shardings is None:
+        raise ValueError("a LoRA step on a mesh needs frozen_shardings (the base params' train layout: "
+                         "sharding.params_shardings(base, mesh))")
+    return (frozen_shardings,)
 
-    def train_step(state: TrainState, batch: Batch):
+
+def _build_step(module, optimizer, cfg, temperature, horizon, mesh, state_shardings, frozen_shardings):
+
+    def train_step(state: TrainState, batch: Batch, frozen=None):
+        check_frozen(module, frozen)
         grads, metrics, loss = grads_and_metrics(module, cfg, state.params, batch, temperature=temperature,
-                                                 horizon=horizon)
+                                                 horizon=horizon, frozen=frozen)
         metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         return _apply(optimizer, state, grads), metrics
 
     if mesh is None:
         return jax.jit(train_step, donate_argnums=0)
     batch_sh = batch_shardings(mesh)
-    return jax.jit(traced_on(mesh, train_step), in_shardings=(state_shardings, batch_sh),
+    return jax.jit(traced_on(mesh, train_step),
+                   in_shardings=(state_shardings, batch_sh, *_frozen_in(module, mesh, frozen_shardings)),
                    out_shardings=(state_shardings, None), donate_argnums=0)
 
 
@@ -282,24 +324,39 @@ def _build_logprob_fn(module, temperature, chunk, mesh, params_shardings):
 
 
 def make_sft_step(module: Decoder, optimizer: optax.GradientTransformation, mesh: Mesh | None = None,
-                  state_shardings=None):
+                  state_shardings=None, frozen_shardings=None):
     """Jitted supervised warm-start step `step(state, batch) -> (state, metrics)`, state
     donated: token-mean cross-entropy on the masked response tokens of a batch (prompt,
     prompt_valid, prompt_index, tokens, valid, mask; see BATCH_KEYS), micro-batches summed
     exactly (`accumulate`). With a mesh, as the train step: batch rows over fsdp and the
     state in and out in `state_shardings` (so the params come back in the table's layout,
-    not the compiler's choice)."""
+    not the compiler's choice). With LoRA, `step(state, batch, base)` as the train step."""
     def micro_loss(params, micro, norm):
         logp, _ = micro_logprobs(module, params, micro)
         return -grpo.aggregate(logp, micro["mask"], "token-mean", norm), {}
 
-    def step(state: TrainState, batch: Batch):
-        grads, _, loss = accumulate(module, micro_loss, state.params, batch)
+    def step(state: TrainState, batch: Batch, frozen=None):
+        check_frozen(module, frozen)
+        grads, _, loss = accumulate(module, micro_loss, state.params, batch, frozen=frozen)
         return _apply(optimizer, state, grads), {"sft_loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     if mesh is None:
         return jax.jit(step, donate_argnums=0)
     if state_shardings is None:
         raise ValueError("make_sft_step on a mesh needs state_shardings (`steps.state_shardings(state)`)")
-    return jax.jit(traced_on(mesh, step), in_shardings=(state_shardings, batch_shardings(mesh)),
+    return jax.jit(traced_on(mesh, step),
+                   in_shardings=(state_shardings, batch_shardings(mesh), *_frozen_in(module, mesh, frozen_shardings)),
                    out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+def with_frozen(step, frozen):
+    """`step(state, batch)` of a LoRA step `step(state, batch, frozen)` with its base bound
+    (the call the trainer and `run_sft` make); `step` itself without a base (None)."""
+    if frozen is None:
+        return step
+
+    @functools.wraps(step)
+    def bound(state, batch):
+        return step(state, batch, frozen)
+
+    return bound

@@ -90,11 +90,11 @@ class Engine:
         n = len(ids)
         self.offset = hosts.local_rows(n * hosts.count(), self.mesh).start  # this process's first episode
         kv_rows = slot_count(config.max_concurrent, n * hosts.count(), self.mesh)
-        self.split = 1 if self.mesh is None else self.mesh.shape["fsdp"]
-        self.n_slots, n_park = split_rows(kv_rows, config.park_slots, n * hosts.count(), self.split)
-        self.b = self._local_count(self.n_slots)
-        self.p = self._local_count(n_park)
-        self.min_b = max(1, self.b // 8)  # the tail narrows the decode rows down to an eighth
+        self.fsdp = 1 if self.mesh is None else self.mesh.shape["fsdp"]  # rows split over this many devices
+        self.n_slots, n_park = split_rows(kv_rows, config.park_slots, n * hosts.count(), self.fsdp)
+        self.decode_rows = self._local_count(self.n_slots)
+        self.park_rows = self._local_count(n_park)
+        self.min_rows = max(1, self.decode_rows // 8)  # the tail narrows the decode rows down to an eighth
         self.pad = tokenizer.pad_token_id or 0
         # the prompt width in coarse buckets (16, 24, 32, 48, 64, ..., 256, 384, ...): it sets
         # the cache capacity, and every program that reads the cache compiles per capacity,
@@ -105,7 +105,7 @@ class Engine:
         stops, final = list(protocol.stops), list(protocol.final_stops)
         self.tables = jnp.asarray(stop_tables(tokenizer, stops + final))
         self.turn_stops = np.array([True] * len(stops) + [False] * len(final))
-        self.slots = Rows(self.b, self.p, len(self.turn_stops))
+        self.slots = Rows(self.decode_rows, self.park_rows, len(self.turn_stops))
         self.ready: dict[int, list[int]] = {}  # parked episode -> its chunk (observation back)
         self.clock = Clock()  # step and tool-job times: a decode call ends when a waited-for result is due
         self.key = jax.random.key(seed)
@@ -156,11 +156,11 @@ class Engine:
         process, bucketed and split over fsdp, so few shapes compile and every process
         makes the same call), and is copied into its rows; the other rows are not run."""
         distinct = self._distinct_prompts(rows)
-        inverse = np.full(self.b, -1, np.int32)
+        inverse = np.full(self.decode_rows, -1, np.int32)
         for r in rows:
             inverse[r] = distinct[tuple(self.trajs[self.slots.episode[r]].prompt_ids.tolist())]
-        split = self.split // math.gcd(self.split, hosts.count())  # u x processes splits over fsdp
-        u = min(self.b, round_up(1 << (most - 1).bit_length(), split))
+        split = self.fsdp // math.gcd(self.fsdp, hosts.count())  # u x processes splits over fsdp
+        u = min(self.decode_rows, round_up(1 << (most - 1).bit_length(), split))
         first = hosts.local_rows(u * hosts.count(), self.mesh).start if self.mesh is not None else 0
         inverse = np.where(inverse >= 0, inverse + first, -1).astype(np.int32)
         tokens, valid = left_pad(list(distinct) + [[]] * (u - len(distinct)), self.prompt_width, self.pad)
@@ -172,7 +172,7 @@ class Engine:
         return cache, logits
 
     def _prefill_chunks(self, cache, logits, width: int):
-        per_row = [self.chunks.get(r, []) for r in range(self.b)]
+        per_row = [self.chunks.get(r, []) for r in range(self.decode_rows)]
         tokens, valid = left_pad(per_row, width, self.pad)
         cache = self._room(cache, width)
         logits, cache = prefill_rows(self.model.module, self.model.params, cache, logits, self._global(tokens),
@@ -352,9 +352,9 @@ class Engine:
         """The decode rows for this round: b halved (down to an eighth of the first b) while
         no episode waits and every process's episodes in flight (parked ones included)
         fit in half, the halves still splitting over fsdp."""
-        b = self.b
-        while (not waiting and b // 2 >= self.min_b and in_flight <= b // 2
-               and (b // 2 * hosts.count()) % self.split == 0):
+        b = self.decode_rows
+        while (not waiting and b // 2 >= self.min_rows and in_flight <= b // 2
+               and (b // 2 * hosts.count()) % self.fsdp == 0):
             b //= 2
         return b
 
@@ -368,16 +368,16 @@ class Engine:
         narrow = self.model.init_cache(rows, self.capacity)
         narrow_logits = self._global(np.zeros((b, self.model.config.vocab_size), np.float32))
         narrow, narrow_logits = self._move(list(zip(held, range(len(held)))), cache, logits, narrow, narrow_logits,
-                                           self.b)
-        self.b, self.n_slots = b, rows
+                                           self.decode_rows)
+        self.decode_rows, self.n_slots = b, rows
         self.stats.narrowings += 1
         return narrow, narrow_logits, [held.index(r) for r in new]
 
     def run(self) -> list[Trajectory]:
         stats = self.stats
         cache = self.model.init_cache(self.n_slots, self.capacity)
-        park = self.model.init_cache(stats.park_slots, self.capacity) if self.p else None
-        logits = self._global(np.zeros((self.b, self.model.config.vocab_size), np.float32))
+        park = self.model.init_cache(stats.park_slots, self.capacity) if self.park_rows else None
+        logits = self._global(np.zeros((self.decode_rows, self.model.config.vocab_size), np.float32))
         with cf.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="tools") as pool:
             while True:
                 self._collect(block=False)
@@ -392,12 +392,12 @@ class Engine:
                 t0 = time.perf_counter()
                 # unpark first: the park rows it leaves take this round's parked episodes
                 if agreed.unparked:
-                    cache, _ = self._move(unparked, park, None, cache, None, self.p)
+                    cache, _ = self._move(unparked, park, None, cache, None, self.park_rows)
                 if agreed.parked:
-                    park, _ = self._move(parked, cache, None, park, None, self.p)
+                    park, _ = self._move(parked, cache, None, park, None, self.park_rows)
                     stats.parkings += agreed.parked
                 b = self._width(agreed.waiting, agreed.in_flight)
-                if b < self.b:
+                if b < self.decode_rows:
                     cache, logits, new = self._narrowed(cache, logits, b, new)
                 if agreed.new:
                     cache, logits = self._prefill_prompts(cache, logits, new, agreed.distinct)

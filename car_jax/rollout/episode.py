@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from car_jax.config import require
 from car_jax.rollout.engine import Engine
 from car_jax.rollout.protocols import SearchR1
 from car_jax.rollout.sampling import Sampler
@@ -52,28 +53,21 @@ class EpisodeConfig:
 
     def __post_init__(self):
         for f in ("max_response_tokens", "max_obs_tokens"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"EpisodeConfig.{f}={getattr(self, f)} must be >= 1")
-            if getattr(self, f) > MAX_TOKENS:
-                raise ValueError(f"EpisodeConfig.{f}={getattr(self, f)} must be <= {MAX_TOKENS} (tokens a turn: "
-                                 "beyond any model's context)")
-        if self.max_turns < 0:
-            raise ValueError(f"EpisodeConfig.max_turns={self.max_turns} must be >= 0")
-        if self.max_turns > MAX_TURNS:
-            raise ValueError(f"EpisodeConfig.max_turns={self.max_turns} must be <= {MAX_TURNS} (tool turns an episode)")
-        if self.max_concurrent < 0:
-            raise ValueError(f"EpisodeConfig.max_concurrent={self.max_concurrent} must be >= 0 "
-                             "(0: every episode at once)")
-        if self.park_slots < -1:
-            raise ValueError(f"EpisodeConfig.park_slots={self.park_slots} must be >= 0, or -1 (a quarter of "
-                             "max_concurrent)")
-        if self.tool_workers < 1:
-            raise ValueError(f"EpisodeConfig.tool_workers={self.tool_workers} must be >= 1")
-        if not self.tool_timeout_s > 0:
-            raise ValueError(f"EpisodeConfig.tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds)")
-        if self.tool_timeout_s > MAX_TIMEOUT_S:
-            raise ValueError(f"EpisodeConfig.tool_timeout_s={self.tool_timeout_s} must be <= {MAX_TIMEOUT_S:g} "
-                             "(seconds: a day)")
+            value = getattr(self, f)
+            require(value >= 1, f"EpisodeConfig.{f}", value, ">= 1")
+            require(value <= MAX_TOKENS, f"EpisodeConfig.{f}", value,
+                    f"<= {MAX_TOKENS} (tokens a turn: beyond any model's context)")
+        require(self.max_turns >= 0, "EpisodeConfig.max_turns", self.max_turns, ">= 0")
+        require(self.max_turns <= MAX_TURNS, "EpisodeConfig.max_turns", self.max_turns,
+                f"<= {MAX_TURNS} (tool turns an episode)")
+        require(self.max_concurrent >= 0, "EpisodeConfig.max_concurrent", self.max_concurrent,
+                ">= 0 (0: every episode at once)")
+        require(self.park_slots >= -1, "EpisodeConfig.park_slots", self.park_slots,
+                ">= 0, or -1 (a quarter of max_concurrent)")
+        require(self.tool_workers >= 1, "EpisodeConfig.tool_workers", self.tool_workers, ">= 1")
+        require(self.tool_timeout_s > 0, "EpisodeConfig.tool_timeout_s", self.tool_timeout_s, "> 0 (seconds)")
+        require(self.tool_timeout_s <= MAX_TIMEOUT_S, "EpisodeConfig.tool_timeout_s", self.tool_timeout_s,
+                f"<= {MAX_TIMEOUT_S:g} (seconds: a day)")
         _ = self.sampler  # Sampler checks temperature, top_p and top_k
 
     @property

@@ -105,36 +105,37 @@ def prefill_prompts(model, prompt_ids: Sequence[Sequence[int]], extra: int, pad_
 
 def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
                  sampler: Sampler = Sampler(), stop: Sequence = (), seed: int = 0,
-                 eos: np.ndarray | None = None, stages: int | None = None) -> SegmentOut:
+                 eos: np.ndarray | None = None) -> SegmentOut:
     """Token-level generation for prompts given as id lists; returns the SegmentOut
     (sampled ids, recorded log-probs, lengths, stop flags) as numpy arrays (with several
-    processes: each process passes and gets back its own rows, `hosts.local_rows`). The decode
-    loop runs in up to `stages` stages of growing cache windows (`decode_windows`;
-    default: the model's execution policy's `decode_stages`)."""
+    processes: each process passes and gets back its own rows, `hosts.local_rows`). `eos`:
+    the ids that end a row (default `eos_ids`; an empty array turns EOS off). The decode
+    loop runs in up to the model's execution policy's `decode_stages` stages of growing
+    cache windows (`decode_windows`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     logits, cache, _ = prefill_prompts(model, prompt_ids, max_new_tokens, tokenizer.pad_token_id or 0)
     tables = jnp.asarray(stop_tables(tokenizer, stop))
     eos = eos_ids(model, tokenizer) if eos is None else eos
     active = hosts.to_global(np.array([len(p) > 0 for p in prompt_ids]), model.mesh)
-    stages = model.module.policy.decode_stages if stages is None else stages
     loop = DecodeLoop(module=model.module, sampler=sampler, max_steps=max_new_tokens,
-                      windows=decode_windows(int(cache.index), max_new_tokens, cache.capacity, stages))
+                      windows=decode_windows(int(cache.index), max_new_tokens, cache.capacity,
+                                             model.module.policy.decode_stages))
     out, _ = loop.segment(params=model.params, cache=cache, logits=logits, live=active, eos_ids=jnp.asarray(eos),
                           tables=tables, key=jax.random.key(seed))
     return out._replace(**{f: hosts.fetch_local(getattr(out, f), model.mesh) for f in out._fields if f != "steps"},
                         steps=np.asarray(out.steps))
 
 
-def generate(model, tokenizer, prompts: Sequence, *, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, stop: Sequence = (), seed: int = 0) -> list[str]:
+def generate(model, tokenizer, prompts: Sequence, *, max_new_tokens: int, sampler: Sampler = Sampler(),
+             stop: Sequence = (), seed: int = 0) -> list[str]:
     """Generates a completion for each prompt (a string, or a list of chat messages
-    that gets the tokenizer's chat template). Stops a row at EOS / <|im_end|> or when a
-    stop pattern completes (the pattern's text is kept). Returns the completions, with
-    special tokens removed."""
+    that gets the tokenizer's chat template), sampling with `sampler` (default greedy;
+    `Sampler(temperature=0.7, top_p=0.9, top_k=50)`). Stops a row at EOS / <|im_end|> or
+    when a stop pattern completes (the pattern's text is kept). Returns the completions,
+    with special tokens removed."""
     texts = prompt_texts(tokenizer, prompts)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    out = generate_ids(model, tokenizer, ids, max_new_tokens=max_new_tokens,
-                       sampler=Sampler(temperature, top_p, top_k), stop=stop, seed=seed)
+    out = generate_ids(model, tokenizer, ids, max_new_tokens=max_new_tokens, sampler=sampler, stop=stop, seed=seed)
     return [tokenizer.decode(out.tokens[b, : out.length[b]], skip_special_tokens=True)
             for b in range(len(texts))]

@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from car_jax.config import require
 from car_jax.models.policy import PLAIN, ExecutionPolicy
 
 
@@ -26,12 +27,9 @@ class Sampler:
     top_k: int = 0  # 0 -> off
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        require(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 is greedy)")
+        require(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        require(self.top_k >= 0, "top_k", self.top_k, ">= 0 (0 disables it)")
 
     @property
     def greedy(self) -> bool:

@@ -16,7 +16,8 @@ from car_jax.calibration.rewards import RewardConfig
 from car_jax.config import require
 from car_jax.data.examples import split_of
 from car_jax.data.prompts import TEMPLATES
-from car_jax.models.config import DTYPES
+from car_jax.models.config import DTYPES, LoraConfig
+from car_jax.rl.dynamic import DynamicSamplingConfig
 from car_jax.rl.grpo import LossConfig
 from car_jax.rl.steps import OptimConfig
 from car_jax.rollout.episode import EpisodeConfig
@@ -40,6 +41,9 @@ class PolicyConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of the policy (optimizer moments follow it)
     remat: bool = False  # recompute each layer in the backward pass
+    # LoRA: rank > 0 trains low-rank adapters on the `targets` projections (x W + alpha/rank (x A) B)
+    # and freezes the base, which is also the KL reference (adapters off); rank 0: full fine-tuning
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         for f in ("dtype", "param_dtype"):
@@ -68,7 +72,8 @@ class RolloutConfig(EpisodeConfig):
     temperature, top_p, top_k) plus what only training rollouts have: the GRPO group
     size and the action protocol. `run_episodes` takes it as its EpisodeConfig."""
     group_size: int = 5  # G trajectories per prompt (at most MAX_GROUP)
-    protocol: Literal["car_search", "search_r1", "tir", "mixed"] = "car_search"  # rollout.protocols.PROTOCOLS
+    # qwen: Qwen2.5 / Qwen3 Instruct native tool calls (the prompt lists the tools via its chat template)
+    protocol: Literal["car_search", "search_r1", "tir", "mixed", "qwen"] = "car_search"  # rollout.protocols.PROTOCOLS
 
     def __post_init__(self):
         super().__post_init__()
@@ -90,6 +95,8 @@ class RLConfig:
     recompute_old_logp: bool = False  # True: old log-probs from a forward pass instead of the sampler's
     loss: LossConfig = LossConfig()  # its log-prob temperature and horizon are the rollout's (make_train_step)
     optim: OptimConfig = OptimConfig(lr=1e-6, warmup_steps=0, grad_clip=1.0)
+    # DAPO's dynamic sampling (`rl.dynamic`): drop groups without a signal, sample more prompts
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
 
     def __post_init__(self):
         require(self.steps >= 0, "steps", self.steps, ">= 0 (GRPO steps to run; 0: SFT only)")
@@ -183,6 +190,11 @@ class TrainConfig:
 
     def __post_init__(self):
         require(self.seed >= 0, "seed", self.seed, ">= 0")
+        over, budget = self.reward.overlong, (self.rollout.max_turns + 1) * self.rollout.max_response_tokens
+        require(over.buffer <= (over.max_tokens or budget), "reward.overlong.buffer", over.buffer,
+                f"<= the length cap L_max ({over.max_tokens or budget}: reward.overlong.max_tokens, or when 0 "
+                f"(rollout.max_turns + 1) x rollout.max_response_tokens); the penalty ramps over the last "
+                f"buffer tokens before it")
         require(self.rl.steps >= 1 or self.sft.steps >= 1, "rl.steps", self.rl.steps,
                 ">= 1, or 0 with sft.steps >= 1 for a run that only does the SFT warm start")
         rl, n = self.rl, self.rl.prompts_per_step * self.rollout.group_size

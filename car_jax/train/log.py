@@ -2,7 +2,7 @@
 
     timer = Timer()
     with MetricsLogger(run_dir, loggers=("tensorboard", "wandb"), wandb=WandbConfig(mode="offline"),
-                       config=dump_config(cfg), total_steps=200, initial_step=start) as log:
+                       config=dump_config(cfg), progress=Progress(200, initial_step=start)) as log:
         for step in range(start + 1, 201):
             with timer("rollout"):
                 ...
@@ -35,6 +35,7 @@ the others get a NullLogger. The sinks themselves are in `train/loggers.py`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -48,7 +49,7 @@ from tqdm.auto import tqdm
 
 from car_jax.train.loggers import Sample, WandbConfig, open_sinks
 
-__all__ = ["MetricsLogger", "NullLogger", "Sample", "Timer", "read_metrics", "METRICS_FILE"]
+__all__ = ["MetricsLogger", "NullLogger", "Progress", "Sample", "Timer", "read_metrics", "METRICS_FILE"]
 
 METRICS_FILE = "metrics.jsonl"
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -78,6 +79,15 @@ def _json_value(x: int | float) -> int | float | str:
     return x
 
 
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """A MetricsLogger's tqdm bar (with ETA): its length, where it starts, what it shows."""
+    total_steps: int  # the last step number
+    initial_step: int = 0  # the bar's starting position (the step a resumed run restarts after)
+    desc: str = "train"  # the bar's label
+    show: tuple[str, ...] = ("reward", "accuracy", "ece", "kl")  # metric keys shown in its postfix when present
+
+
 class MetricsLogger:
     """Writes per-step metrics to `run_dir/metrics.jsonl`, the chosen loggers and a tqdm bar.
 
@@ -88,23 +98,19 @@ class MetricsLogger:
         each fed every step's metrics and samples; () for the JSONL alone.
       wandb: the W&B run's settings when loggers lists "wandb" (default: all from WANDB_*).
       config: the run's config as plain data (`config.dump_config`), recorded by W&B once.
-      total_steps: the last step number; when given, a tqdm bar with ETA is shown.
-      desc: the bar's label.
-      show: metric keys shown in the bar's postfix when present.
-      initial_step: the bar's starting position (the step a resumed run restarts after).
+      progress: the progress bar (`Progress`: last step, starting step, label, metric keys
+        shown); None: no bar.
       truncate_after: when resuming from a checkpoint at this step, drop the lines with a
         larger step (they were logged after the checkpoint and will be logged again).
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, loggers: Sequence[str] = ("tensorboard",),
                  wandb: WandbConfig | None = None, config: Mapping[str, Any] | None = None,
-                 total_steps: int | None = None, desc: str = "train",
-                 show: Sequence[str] = ("reward", "accuracy", "ece", "kl"),
-                 initial_step: int = 0, truncate_after: int | None = None):
+                 progress: Progress | None = None, truncate_after: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
-        self.show = tuple(show)
+        self.show = tuple(progress.show) if progress is not None else ()
         self._sinks = open_sinks(tuple(loggers), self.run_dir, wandb, config)  # first: one may fail to open
         try:
             _repair(self.path, truncate_after)
@@ -114,8 +120,8 @@ class MetricsLogger:
                 sink.close()
             raise
         self._bar = None
-        if total_steps is not None:
-            self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc,
+        if progress is not None:
+            self._bar = tqdm(total=progress.total_steps, initial=progress.initial_step, desc=progress.desc,
                              dynamic_ncols=True, unit="step")
 
     def log(self, step: int, metrics: Mapping[str, Any], samples: Sequence[Sample] = ()) -> None:

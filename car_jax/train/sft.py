@@ -27,6 +27,7 @@ from car_jax.rollout.episode import Trajectory
 from car_jax.rollout.generate import prompt_texts
 from car_jax.rollout.protocols import Action, Mixed
 from car_jax.tools.python_tool import OBSERVATION_PREFIX
+from car_jax.train.config import SFTConfig
 
 FOUND_CONFIDENCE = 90  # what a demonstration states when the documents hold the answer
 MISSING_CONFIDENCE = 10  # ... and when they do not
@@ -173,12 +174,14 @@ def tokenize_demos(demos: list[dict], tokenizer) -> list[Trajectory]:
     return out
 
 
-def run_sft(state, step_fn, trajs: list[Trajectory], *, steps: int, batch: int, pad_id: int, seed: int = 0,
+def run_sft(state, step_fn, trajs: list[Trajectory], config: SFTConfig, *, pad_id: int, seed: int = 0,
             log=None, mesh=None):
-    """`steps` SFT updates of `batch` trajectories each (cycling through a shuffle). Each
+    """`config.steps` SFT updates of `config.batch` trajectories each (cycling through a
+    shuffle by `seed`; the optimizer, with `config.lr`, is `step_fn`'s). Each
     step's rows cross to the device once (`batches.to_device`); without a mesh,
     trajectories with the same prompt run it once (`host_batch.micro_plan`). Returns
     (state, losses)."""
+    steps, batch = config.steps, config.batch
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(trajs))
     losses = []

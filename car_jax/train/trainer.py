@@ -25,23 +25,26 @@ import numpy as np
 
 from car_jax import hosts
 from car_jax.calibration import metrics as cal
-from car_jax.calibration.rewards import reward_inputs
+from car_jax.calibration.rewards import RewardInputs, reward_fn, reward_inputs
 from car_jax.checkpoints.loader import save_hf_folder
+from car_jax.checkpoints.peft import save_peft_folder
 from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
 from car_jax.config import ConfigError, dump_config, save_config
 from car_jax.data import DatasetError, chance, load_dataset, make_prompt, world_retriever
+from car_jax.data.chat_tools import tool_prompts
 from car_jax.loading import Model
 from car_jax.models.policy import device_kind
+from car_jax.rl import dynamic
 from car_jax.rl.batches import TrainBatch, chunked_logprobs, micro_batches, share_prompts, to_device
 from car_jax.rl.group_stats import group_stats
 from car_jax.rl.host_batch import HostBatch, host_batch, longest, micro_plan
-from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step, state_shardings
+from car_jax.rl.steps import OptimConfig, init_state, make_optimizer, make_sft_step, state_shardings, with_frozen
 from car_jax.rollout.episode import EpisodeStats, run_episodes
 from car_jax.train import flops
 from car_jax.train.config import TrainConfig
-from car_jax.train.log import MetricsLogger, NullLogger, Timer
+from car_jax.train.log import MetricsLogger, NullLogger, Progress, Timer
 from car_jax.train.loggers import Sample, import_wandb
-from car_jax.train.setup import Setup, build_setup
+from car_jax.train.setup import Setup, build_setup, overlong
 from car_jax.train.sft import chance_demos, mixed_demos, read_demos, run_sft, tokenize_demos, world_demos
 
 
@@ -60,7 +63,9 @@ class Trainer:
             import_wandb()  # a missing `wandb` extra fails here, before the data and the model load
         self.step_samples: list[Sample] = []  # the last step's samples, for the loggers (`samples`)
         self.examples = training_examples(cfg)  # before the model loads: a bad data path fails in seconds
-        self.s: Setup = build_setup(cfg)
+        self.setup: Setup = build_setup(cfg)
+        # the scorer's reward, on the host too: dynamic sampling's filter reads the rewards
+        self.reward, self.shaping = jax.jit(reward_fn(cfg.reward)), overlong(cfg)
         self.dir = Path(cfg.run.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         if hosts.is_writer():
@@ -77,14 +82,14 @@ class Trainer:
         self.warm_ckpt = TrainCheckpointer(self.dir / "warm_start", keep=1, async_save=False)
         warm = bool(cfg.sft.steps and cfg.sft.data)
         if cfg.run.resume and self.ckpt.latest_step() is not None:
-            if warm and self.s.ref_params is not None:  # before the restore: SFT starts from the loaded model
-                self.s.ref_params = self.warm_start_params()
+            if warm and self.setup.ref_params is not None:  # before the restore: SFT starts from the loaded model
+                self.setup.set_reference(self.warm_start_params(), copy=False)
             self._restore()
         elif warm:
             params = self.warm_start_params()
-            self.s.state = init_state(params, make_optimizer(cfg.rl.optim), self.s.model.mesh)
-            if self.s.ref_params is not None:
-                self.s.ref_params = jax.tree.map(jnp.copy, params)
+            self.setup.state = init_state(params, make_optimizer(cfg.rl.optim), self.setup.model.mesh)
+            if self.setup.ref_params is not None:
+                self.setup.set_reference(params)
 
     def warm_start_params(self):
         """The policy after the SFT warm start: read from dir/warm_start when a previous
@@ -92,7 +97,7 @@ class Trainer:
         configured demonstrations from the loaded model and saved there. It becomes both
         the RL starting policy and (with KL) the reference. Losses go to
         sft_metrics.jsonl."""
-        cfg, s = self.cfg, self.s
+        cfg, s = self.cfg, self.setup
         target = {"params": abstract_state(s.state.params)}
         if cfg.run.resume and self.warm_ckpt.latest_step() == cfg.sft.steps:
             return self.warm_ckpt.restore(None, target)[0]["params"]
@@ -107,11 +112,12 @@ class Trainer:
         trajs = tokenize_demos(demos, s.tokenizer)
         opt = make_optimizer(OptimConfig(lr=cfg.sft.lr, total_steps=cfg.sft.steps, weight_decay=0.0))
         state = init_state(jax.tree.map(jnp.copy, s.state.params), opt, s.model.mesh)
-        with self._logger(self.dir / "sft", loggers=(), total_steps=cfg.sft.steps, desc="sft",
-                          show=("sft_loss",)) as log:
-            step_fn = make_sft_step(s.model.module, opt, s.model.mesh, state_shardings(state) if s.model.mesh else None)
-            state, _ = run_sft(state, step_fn, trajs, steps=cfg.sft.steps,
-                               batch=cfg.sft.batch, pad_id=s.tokenizer.pad_token_id or 0, seed=cfg.seed,
+        with self._logger(self.dir / "sft", loggers=(),
+                          progress=Progress(cfg.sft.steps, desc="sft", show=("sft_loss",))) as log:
+            step_fn = make_sft_step(s.model.module, opt, s.model.mesh, state_shardings(state) if s.model.mesh else None,
+                                    frozen_shardings=s.frozen_shardings())
+            step_fn = with_frozen(step_fn, s.frozen)  # LoRA: the adapters train over the frozen base
+            state, _ = run_sft(state, step_fn, trajs, cfg.sft, pad_id=s.tokenizer.pad_token_id or 0, seed=cfg.seed,
                                log=lambda step, loss: log.log(step, {"sft_loss": loss}), mesh=s.model.mesh)
         if self.warm_ckpt.all_steps():  # another sft.steps' result, or resume off: stale
             self.warm_ckpt.close()
@@ -144,13 +150,13 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------
     def _state_tree(self):
-        st = self.s.state
+        st = self.setup.state
         return {"params": st.params, "opt_state": st.opt_state, "step": st.step}
 
     def _restore(self):
         tree, meta = self.ckpt.restore(None, abstract_state(self._state_tree()))
-        self.s.state = dataclasses.replace(self.s.state, params=tree["params"], opt_state=tree["opt_state"],
-                                           step=tree["step"])
+        self.setup.state = dataclasses.replace(self.setup.state, params=tree["params"],
+                                               opt_state=tree["opt_state"], step=tree["step"])
         self.data_pos = int(meta["data_pos"])
         self.start_step = int(meta["step"])
 
@@ -166,8 +172,43 @@ class Trainer:
         """G episodes for each of this process's share of the next prompts (all of them
         with one process), parsed on the host: (trajectories, HostBatch of these rows with
         the step's global ids and widths, episode stats, int64[b] each row's index in
-        self.sources, the examples of these rows: one per group of G rows)."""
-        cfg, s = self.cfg, self.s
+        self.sources, the examples of these rows: one per group of G rows, the dynamic
+        sampling metrics). With rl.dynamic_sampling on, more rounds of prompts are sampled
+        until every process holds its share of groups that carry a signal (`rl.dynamic`)."""
+        cfg, s = self.cfg, self.setup
+        g, ds = cfg.rollout.group_size, cfg.rl.dynamic_sampling
+        policy = Model(s.model.config, s.policy_params(), s.model.module, s.model.mesh, s.model.source)
+        stats = EpisodeStats()
+        rounds, signal = [], []  # per round: (examples, trajectories, reward inputs), bool[groups]
+        for r in range(ds.max_rounds if ds.filter != "off" else 1):
+            rounds.append(self._sample(step, r, policy, stats, timer))
+            if ds.filter == "off":
+                break
+            examples, trajs, inputs = rounds[-1]
+            rewards = np.asarray(self.reward(inputs.correct, inputs.q, inputs.format_ok))
+            if self.shaping is not None:
+                rewards = rewards + np.asarray(self.shaping(np.array([t.loss_mask.sum() for t in trajs])))
+            keep = np.array([t.void_turns == 0 for t in trajs])
+            signal.append(dynamic.group_signal(rewards, inputs.correct, keep, g, ds.filter))
+            if not hosts.allgather(np.array([dynamic.short(signal, len(examples))])).any():
+                break
+        examples, trajs, inputs, extra = self._selected(rounds, signal)
+        with timer("host_batch"):
+            lengths = tuple(hosts.allgather(np.array([longest(trajs)])).max(axis=0).tolist())
+            # group ids by position: with several rounds one example may come back in a later one
+            groups = [(i // g) if ds.filter != "off" else examples[i // g].group_id for i in range(len(trajs))]
+            host = host_batch(trajs, s.tokenizer.pad_token_id or 0, inputs=inputs,
+                              keep=np.array([t.void_turns == 0 for t in trajs]),  # TIR: void trajectories leave the loss
+                              groups=groups, lengths=lengths)
+            host = share_prompts(host, s.tokenizer.pad_token_id or 0)
+        source = np.array([self._source_index[ex.data_source] for ex in examples for _ in range(g)], np.int64)
+        return trajs, host, stats, source, examples, extra
+
+    def _sample(self, step: int, round_: int, policy: Model, stats: EpisodeStats, timer: Timer):
+        """One round of a step: this process's share of the next rl.prompts_per_step
+        examples, G episodes each, and their reward inputs. Round 0's episode seed and
+        chance draws are the step's (as without dynamic sampling); later rounds' differ."""
+        cfg, s = self.cfg, self.setup
         g = cfg.rollout.group_size
         examples = self.next_examples(cfg.rl.prompts_per_step)  # every process: the same stream
         rows = len(examples) * g  # every process's
@@ -178,27 +219,45 @@ class Trainer:
                              f"{hosts.count()}")
         examples = examples[mine.start // g:mine.stop // g]
         prompts = [make_prompt(ex, cfg.data.template) for ex in examples for _ in range(g)]
-        policy = Model(s.model.config, s.state.params, s.model.module, s.model.mesh, s.model.source)
-        stats = EpisodeStats()
+        if cfg.rollout.protocol == "qwen":  # native tool calls: the chat template describes the tools
+            prompts = tool_prompts(s.tokenizer, prompts, tuple(s.toolbox.tools))
+        seed = cfg.seed * 1_000_003 + step + round_ * 1_000_000  # rounds apart while steps < 1e6
         with timer("rollout"):
             trajs = run_episodes(policy, s.tokenizer, prompts, s.toolbox.tools, config=cfg.rollout,
-                                 protocol=s.protocol, seed=cfg.seed * 1_000_003 + step, stats=stats)
-        with timer("reward"):
+                                 protocol=s.protocol, seed=seed, stats=stats)
+        with timer("host_batch"):  # parsing the episodes into reward inputs
             golds = [ex.golden_answers for ex in examples for _ in range(g)]
-            # the chance task's grading draws: the step's, over every process's rows, this process's slice
-            draws = chance.draws(cfg.seed, step, rows)[mine]
+            # the chance task's grading draws: the round's, over every process's rows, this process's slice
+            draws = chance.draws(cfg.seed, step, rows, round_)[mine]
             inputs = reward_inputs([t.pieces for t in trajs], golds, [ex.task for ex in examples for _ in range(g)],
                                    draws)
-            lengths = tuple(hosts.allgather(np.array([longest(trajs)])).max(axis=0).tolist())
-            host = host_batch(trajs, s.tokenizer.pad_token_id or 0, inputs=inputs,
-                              keep=np.array([t.void_turns == 0 for t in trajs]),  # TIR: void trajectories leave the loss
-                              groups=[ex.group_id for ex in examples for _ in range(g)], lengths=lengths)
-            host = share_prompts(host, s.tokenizer.pad_token_id or 0)
-        source = np.array([self._source_index[ex.data_source] for ex in examples for _ in range(g)], np.int64)
-        return trajs, host, stats, source, examples
+        return examples, trajs, inputs
+
+    def _selected(self, rounds: list, signal: list):
+        """The step's examples, trajectories and reward inputs: the one round's as they are
+        without dynamic sampling, else the groups `dynamic.select` picks of the rounds;
+        and the dynamic sampling metrics (every process's groups, gathered)."""
+        if not signal:
+            examples, trajs, inputs = rounds[0]
+            return examples, trajs, inputs, {}
+        g = self.cfg.rollout.group_size
+        need = len(rounds[0][0])
+        picked = dynamic.select(signal, need)
+        rows = [(r, u * g + i) for r, u in picked.picked for i in range(g)]
+        examples = [rounds[r][0][u] for r, u in picked.picked]
+        trajs = [rounds[r][1][i] for r, i in rows]
+        inputs = RewardInputs(*(np.array([getattr(rounds[r][2], f)[i] for r, i in rows])
+                                for f in RewardInputs._fields))
+        counts = [sum(len(x) for x in signal), sum(int(x.sum()) for x in signal), picked.filled]
+        sampled, with_signal, filled = hosts.allgather(np.array([counts])).sum(axis=0)
+        extra = {"dynamic/rounds": float(len(rounds)),
+                 "dynamic/prompts": float(len(rounds) * self.cfg.rl.prompts_per_step),
+                 "dynamic/groups_dropped": float(sampled - with_signal),
+                 "dynamic/signal_share": float(with_signal / sampled), "dynamic/filled": float(filled)}
+        return examples, trajs, inputs, extra
 
     def _sizes(self, n: int) -> tuple[int, int]:
-        cfg, mesh = self.cfg, self.s.model.mesh
+        cfg, mesh = self.cfg, self.setup.model.mesh
         mini = cfg.rl.mini_batch or n
         micro = cfg.rl.micro_batch or mini
         if n % mini or mini % micro:
@@ -215,7 +274,7 @@ class Trainer:
         rl.recompute_old_logp the old policy's log-probs are the trainer's (the sampler's stay
         in batch.sampler_logp, for TIS), and the gap between the two is logged
         (`TrainBatch.mismatch`)."""
-        cfg, s = self.cfg, self.s
+        cfg, s = self.cfg, self.setup
         n = batch.tokens.shape[0]
         mini, micro = self._sizes(n)
         mesh = s.model.mesh
@@ -224,9 +283,11 @@ class Trainer:
         with timer("logprobs"):
             every_row = micro_plan(prompt_of, np.arange(n), micro, share)
             if cfg.rl.loss.kl_coef:
-                batch = batch.replace(ref_logp=chunked_logprobs(s.logprob_fn, s.ref_params, batch, every_row, mesh))
+                batch = batch.replace(ref_logp=chunked_logprobs(s.ref_logprob_fn or s.logprob_fn, s.ref_params, batch,
+                                                                every_row, mesh))
             if cfg.rl.recompute_old_logp:
-                batch = batch.replace(old_logp=chunked_logprobs(s.logprob_fn, s.state.params, batch, every_row, mesh))
+                batch = batch.replace(old_logp=chunked_logprobs(s.logprob_fn, s.policy_params(), batch, every_row,
+                                                                mesh))
                 mismatch = batch.mismatch(cfg.rl.loss.tis_cap)  # device scalars
             jax.block_until_ready(batch)
         history = []
@@ -243,17 +304,17 @@ class Trainer:
                 **{k: float(v) for k, v in mismatch.items()}}
 
     def step(self, step: int, timer: Timer) -> dict[str, float]:
-        trajs, host, stats, source, examples = self.rollout(step, timer)
+        trajs, host, stats, source, examples, extra = self.rollout(step, timer)
         self._sizes(host.rows * hosts.count())  # a bad batch layout fails before anything is sent
-        batch, rewards = self.s.score(to_device(host, self.s.model.mesh))
+        batch, rewards = self.setup.score(to_device(host, self.setup.model.mesh))
         train_metrics = self.update(batch, hosts.allgather(host.prompt_of), timer, step)
         split = timer.split()
         perf = self._perf_metrics(trajs, host, split["time/step"])
         # this process's rows of the device results, in host order (for the group statistics)
-        scored = np.stack([hosts.fetch_local(x, self.s.model.mesh) for x in (rewards, batch.advantages)], axis=1)
+        scored = np.stack([hosts.fetch_local(x, self.setup.model.mesh) for x in (rewards, batch.advantages)], axis=1)
         self.step_samples = self.samples(examples, trajs, host, scored[:, 0])
         return {**self._rollout_metrics(trajs, host, rewards, scored, stats, split),
-                **self._source_metrics(host, source), **train_metrics, **split, **perf}
+                **self._source_metrics(host, source), **extra, **train_metrics, **split, **perf}
 
     def samples(self, examples, trajs, host: HostBatch, rewards: np.ndarray) -> list[Sample]:
         """The first run.samples_per_step of this process's rows of the step (whole groups of
@@ -282,12 +343,12 @@ class Trainer:
 
     def _perf_metrics(self, trajs, host: HostBatch, seconds: float) -> dict[str, float]:
         """Model TFLOP/s per device and MFU of the step (`train.flops`), over every process's rows."""
-        cfg, mesh = self.cfg, self.s.model.mesh
+        cfg, mesh = self.cfg, self.setup.model.mesh
         update = flops.update_counts(host.prompts_valid, host.prompt_of, host.valid)
         rollout = flops.rollout_counts([len(t.prompt_ids) for t in trajs], [len(t.response_ids) for t in trajs],
                                        [int(t.loss_mask.sum()) for t in trajs])
         passes = int(bool(cfg.rl.loss.kl_coef)) + int(bool(cfg.rl.recompute_old_logp))
-        local = flops.step_flops(self.s.model.config, update, rollout, cfg.rl.epochs, passes)
+        local = flops.step_flops(self.setup.model.config, update, rollout, cfg.rl.epochs, passes)
         total = float(hosts.allgather(np.array([local])).sum())
         return flops.perf_metrics(total, seconds, mesh.size if mesh is not None else 1, device_kind())
 
@@ -328,7 +389,7 @@ class Trainer:
         timer = Timer()
         rows = []
         with self._logger(self.dir, loggers=cfg.run.loggers, wandb=cfg.run.wandb, config=dump_config(cfg),
-                          total_steps=cfg.rl.steps, initial_step=self.start_step,
+                          progress=Progress(cfg.rl.steps, initial_step=self.start_step),
                           truncate_after=self.start_step) as log:
             for step in range(self.start_step + 1, cfg.rl.steps + 1):
                 row = self.step(step, timer)
@@ -337,14 +398,17 @@ class Trainer:
                 self._save(step, force=step == cfg.rl.steps)
         self.ckpt.wait()
         if cfg.run.export_hf:  # every process gathers, process 0 writes
-            out = save_hf_folder(self.s.state.params, self.s.model.config, self.dir / "hf")
+            s = self.setup
+            out = save_hf_folder(s.policy_params(), s.model.config, self.dir / "hf")  # LoRA: merged
             if hosts.is_writer():
-                self.s.tokenizer.save_pretrained(str(out))
+                s.tokenizer.save_pretrained(str(out))
+            if s.frozen is not None:  # and the adapters alone, in PEFT's layout
+                save_peft_folder(s.state.params, s.model.config, self.dir / "peft", base_model=cfg.model.path or None)
         if hosts.is_writer():
             (self.dir / "last_step.json").write_text(json.dumps({"step": cfg.rl.steps, "time": time.time()}))
         self.ckpt.close()
         self.warm_ckpt.close()
-        self.s.toolbox.close()
+        self.setup.toolbox.close()
         return rows
 
 

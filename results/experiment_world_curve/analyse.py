@@ -98,7 +98,7 @@ def fmt(v: float) -> str:
 
 
 def main() -> None:
-    arms = ("rlcr", "vanilla")
+    arms = ("rlcr", "vanilla", "rlcr_dapo")  # rlcr_dapo: RESULTS.md 2c, the Brier arm with dynamic sampling
     curves = {arm: curve(arm) for arm in arms}
     lines = ["# World learning curve (records of configs/experiment/world_curve_cpu.yaml)", "",
              "Written by `python results/experiment_world_curve/analyse.py` from the records in this folder.", "",

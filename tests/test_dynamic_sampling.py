@@ -133,3 +133,29 @@ def test_bounded_rounds_fill_the_batch_and_off_changes_nothing(tiny_folder, tmp_
     # the filled batch is round 0's groups, in order: the same rows as the run without the filter
     for key in ("reward", "accuracy", "confidence", "response_tokens", "loss"):
         assert row[key] == pytest.approx(row_off[key], rel=1e-6, abs=1e-9), key
+
+
+def test_two_processes_agree_on_the_rounds_and_train_like_one(tiny_folder, tmp_path):  # noqa: F811
+    """`car-jax train` with dynamic sampling as 2 processes x 4 devices and as 1 process x 8:
+    the random model's groups never carry a signal, so every step runs all its rounds (the
+    processes must agree on each round: the decode is a collective) and fills its batch with
+    round 0's groups, each process its own block: the same rows as one process, so the same
+    metrics, and every dynamic/* metric counts every process's groups."""
+    from car_jax.cli import main
+    from car_jax.train.log import read_metrics
+    from tests.multihost import launch, succeeded
+    from tests.test_multihost import COMPARED, train_args as multihost_args
+
+    extra = ["rl.steps=2", "rl.dynamic_sampling.filter=reward", "rl.dynamic_sampling.max_rounds=2"]
+    one, two = tmp_path / "1x8", tmp_path / "2x4"
+    assert main([*multihost_args(tiny_folder, one), *extra]) == 0
+    succeeded(launch([*multihost_args(tiny_folder, two), *extra], processes=2, devices=4))
+    a, b = read_metrics(one), read_metrics(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    for ra, rb in zip(a, b):
+        assert {k: ra[k] for k in ra if k.startswith("dynamic/")} == {
+            "dynamic/rounds": 2.0, "dynamic/prompts": 4.0, "dynamic/groups_dropped": 4.0,
+            "dynamic/signal_share": 0.0, "dynamic/filled": 2.0}
+        assert {k: rb[k] for k in rb if k.startswith("dynamic/")} == {k: ra[k] for k in ra if k.startswith("dynamic/")}
+        for key in COMPARED:
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)

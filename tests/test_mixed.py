@@ -193,13 +193,13 @@ def test_tiny_mixed_training_run(agent, cache, tmp_path, monkeypatch):
     rewards differ by ~2e-2."""
     import car_jax.train.trainer as trainer_mod
 
-    demos_seen, real = [], trainer_mod.mixed_demos
+    demos_seen, real = [], trainer_mod.tool_demos
 
     def spy(examples, tools, **kw):
         demos_seen.extend(real(examples, tools, **kw))
         return list(demos_seen)
 
-    monkeypatch.setattr(trainer_mod, "mixed_demos", spy)
+    monkeypatch.setattr(trainer_mod, "tool_demos", spy)
     real_inputs = trainer_mod.reward_inputs
 
     def scripted_inputs(responses, *args, **kwargs):  # rows: prompt 1 x 2, prompt 2 x 2

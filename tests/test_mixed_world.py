@@ -16,7 +16,7 @@ from car_jax.data import QAExample, load_dataset, world_arith, world_large, worl
 from car_jax.loading import load_tokenizer
 from car_jax.rollout.protocols import Action, Mixed
 from car_jax.rollout.toolbox import ToolsConfig, open_tools
-from car_jax.train.sft import mixed_demos, tokenize_demos, world_demos
+from car_jax.train.sft import tool_demos, tokenize_demos, world_demos
 from tests.test_pilot import cache  # noqa: F401 - the module-wide car_jax cache fixture
 from tests.test_world_large import _fact, _title, _word, large  # noqa: F401 - large: the generated files
 
@@ -99,17 +99,17 @@ def test_mixed_answers_recoverable(large):
         world_arith.program("total_length", "A boat travels 3 km.")
 
 
-def test_mixed_demos_teach_both_tools_as_the_reward_reads_them(cache):
+def test_tool_demos_teach_both_tools_as_the_reward_reads_them(cache):
     examples = load_dataset("world-large", split="mixed_dev", limit=8)
     with open_tools("mixed", ToolsConfig(retriever="world-large", topk=2)) as box:
-        demos = mixed_demos(examples, box.tools)
+        demos = tool_demos(examples, box.tools)
         with pytest.raises(ValueError, match="need a 'code' tool"):
-            mixed_demos(examples, {"search": box.tools["search"]})
-        with pytest.raises(ValueError, match="mixed_demos"):
+            tool_demos(examples, {"search": box.tools["search"]})
+        with pytest.raises(ValueError, match="tool_demos"):
             world_demos(examples, box.tools["search"], "mixed")
         bare = QAExample("m1", "What is 1 + 1?", ("2",), "x", "m1", task="math")
         with pytest.raises(ValueError, match="world-large word problems.*'m1'"):
-            mixed_demos([bare], box.tools)
+            tool_demos([bare], box.tools)
     hits = []
     for ex, demo in zip(examples, demos):
         first, obs, last = demo["segments"]
@@ -135,3 +135,49 @@ def test_mixed_demos_teach_both_tools_as_the_reward_reads_them(cache):
     for demo, traj in zip(demos, tokenize_demos(demos, tok)):  # only the tool's text is out of the loss
         obs_ids = tok(demo["segments"][1]["text"], add_special_tokens=False)["input_ids"]
         assert sum(1 for m in traj.loss_mask if not m) == len(obs_ids)
+
+
+def test_qwen_demos_are_the_chat_templates_conversation_and_pass_its_format(cache):
+    """template qwen: the same demonstrations in Qwen's native calls. Each tokenized demo is
+    the chat template's rendering of the conversation (system + user with the tools listed,
+    an assistant turn with one tool call, the tool's message, the final assistant turn) token
+    for token, its loss mask is exactly the model's turns, and the reward with the qwen
+    grammar finds the format valid and the answer right exactly when the tool gave it."""
+    from car_jax.data import make_prompt
+    from car_jax.data.chat_tools import tool_schemas
+    from car_jax.rollout.protocols import Qwen
+    from tests.qwen_chat import qwen_tool_tokenizer
+
+    examples = load_dataset("world-large", split="mixed_dev", limit=6)
+    with open_tools("mixed", ToolsConfig(retriever="world-large", topk=2)) as box:
+        demos = tool_demos(examples, box.tools, template="qwen")
+        mixed = tool_demos(examples, box.tools)
+        with pytest.raises(ValueError, match="templates \\['mixed', 'qwen'\\], not 'search'"):
+            tool_demos(examples, box.tools, template="search")
+    tok = qwen_tool_tokenizer()
+    for ex, demo, traj, twin in zip(examples, demos, tokenize_demos(demos, tok), mixed):
+        call, obs, final = (s["text"] for s in demo["segments"])
+        assert [s["train"] for s in demo["segments"]] == [True, False, True] and demo["tools"] == ["search", "code"]
+        action = Qwen().parse(call)
+        kind, key = ("search", "query") if ex.task == "qa" else ("code", "code")
+        twin_action = Mixed().parse(twin["segments"][0]["text"])  # the same call as the tag demo's
+        assert (action.kind, action.payload) == (twin_action.kind, twin_action.payload.strip()) and action.kind == kind
+        result = obs.split("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0]
+        conversation = make_prompt(ex, "qwen") + [
+            {"role": "assistant", "content": call.split("\n<tool_call>")[0],
+             "tool_calls": [{"type": "function", "function": {"name": "search" if kind == "search" else "python",
+                                                              "arguments": {key: action.payload}}}]},
+            {"role": "tool", "content": result}, {"role": "assistant", "content": final}]
+        rendered = tok.apply_chat_template(conversation, tools=tool_schemas(("search", "code")), tokenize=False)
+        ids = traj.prompt_ids.tolist() + traj.response_ids.tolist()
+        assert ids == tok(rendered.removesuffix("<|im_end|>\n"), add_special_tokens=False)["input_ids"]
+        assert [tok.decode(traj.response_ids[a:b]) for a, b, own in traj.spans() if own] == [call, final]
+        assert int(traj.loss_mask.sum()) == sum(len(tok(t, add_special_tokens=False)["input_ids"])
+                                                for t in (call, final))
+        pieces = [(s["text"], s["train"]) for s in demo["segments"]]
+        qwen = reward_inputs([pieces], [list(ex.golden_answers)], task=ex.task, grammar="qwen")
+        tagged = reward_inputs([[(s["text"], s["train"]) for s in twin["segments"]]], [list(ex.golden_answers)],
+                               task=ex.task)
+        assert bool(qwen.format_ok[0]) and "<think>" not in final
+        assert (bool(qwen.correct[0]), float(qwen.q[0])) == (bool(tagged.correct[0]), float(tagged.q[0]))
+    assert {ex.task for ex in examples} == {"qa", "math"}

@@ -174,7 +174,7 @@ def test_training_setup_refuses_such_a_tokenizer(monkeypatch):
     from car_jax.train.config import TrainConfig
 
     monkeypatch.setattr(setup, "load_policy", lambda cfg, mesh: (None, qwen_tokenizer()))
-    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_test.yaml", ["rollout.protocol=qwen"])
+    cfg = load_config(TrainConfig, ROOT / "configs" / "tiny_test.yaml", ["rollout.protocol=qwen", "data.template=qwen"])
     with pytest.raises(ConfigError, match="model.path: this tokenizer has no chat template.*'qwen'"):
         setup.build_setup(cfg)
 

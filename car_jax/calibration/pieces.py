@@ -17,17 +17,23 @@ model never gave nor cost a real answer the format penalty. So:
 
 A plain string is one response of unknown origin and is parsed whole (`parsing.parse_response`),
 as before pieces existed: the SFT demonstrations, notebooks and single-turn generations.
+
+Two format grammars (GRAMMARS): "tags", the Search-R1 tag chain (`parsing.check_format`), and
+"qwen", Qwen's native tool-call layout (`chat_format.check_chat_turns`: the model's turns,
+split at each tool result; a tool piece that is not a `<tool_response>` is the protocol's
+answer to an invalid call, and fails the format as an invalid action fails the tag chain).
 """
 from __future__ import annotations
 
 import re
 from typing import Sequence, Union
 
-from car_jax.calibration import parsing
+from car_jax.calibration import chat_format, parsing
 
 Piece = tuple[str, bool]  # (text, written by the model)
 Response = Union[str, Sequence[Piece]]
 
+GRAMMARS = ("tags", "qwen")  # the format grammars: the Search-R1 tag chain, Qwen's tool calls
 _WRAPPED = re.compile(r"^(\s*<information>).*(</information>\s*)$", re.DOTALL)
 
 
@@ -50,14 +56,43 @@ def format_text(pieces: Sequence[Piece]) -> str:
     return "".join(text if by_model else _skeleton(text) for text, by_model in pieces)
 
 
-def parse_pieces(response: Response) -> parsing.ParsedResponse:
-    """Answer, confidence and format of one response (pieces, or a plain string parsed whole)."""
+def chat_turns(pieces: Sequence[Piece]) -> tuple[list[str], int | None]:
+    """Pieces in Qwen's layout -> (the model's turns, split at each tool piece; the 1-based
+    turn after which the tool answered an invalid call, or None when every tool piece is a
+    `<tool_response>`)."""
+    turns, invalid = [""], None
+    for text, by_model in pieces:
+        if by_model:
+            turns[-1] += text
+            continue
+        if invalid is None and not chat_format.RESULT_RE.search(text):
+            invalid = len(turns)
+        turns.append("")
+    return turns, invalid
+
+
+def _format(response: Response, grammar: str) -> tuple[bool, str]:
+    """(ok, reason) of the format check of `grammar` (see the module docstring)."""
+    if grammar == "tags":
+        text = response if isinstance(response, str) else format_text(response)
+        return parsing.check_format(text)
+    if grammar != "qwen":
+        raise ValueError(f"unknown format grammar {grammar!r}: choose one of {GRAMMARS}")
     if isinstance(response, str):
-        return parsing.parse_response(response)
-    own = model_text(response)
+        return chat_format.check_chat_turns(chat_format.split_turns(response))
+    turns, invalid = chat_turns(response)
+    if invalid is not None:
+        return False, f"turn {invalid}: not a valid tool call (the protocol answered with its message)"
+    return chat_format.check_chat_turns(turns)
+
+
+def parse_pieces(response: Response, grammar: str = "tags") -> parsing.ParsedResponse:
+    """Answer, confidence and format of one response (pieces, or a plain string parsed whole),
+    the format by `grammar` ("tags" or "qwen", GRAMMARS)."""
+    own = response if isinstance(response, str) else model_text(response)
     q, conf_ok = parsing.parse_confidence(own)
-    ok, reason = parsing.check_format(format_text(response))
-    if ok and re.search(r"</?information>", own):
+    ok, reason = _format(response, grammar)
+    if ok and grammar == "tags" and not isinstance(response, str) and re.search(r"</?information>", own):
         ok, reason = False, "the model wrote an <information> tag (only the search tool writes observations)"
     return parsing.ParsedResponse(parsing.last_tag_content(own, "answer"), q, conf_ok, ok, reason)
 

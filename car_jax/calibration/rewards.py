@@ -151,6 +151,16 @@ def reward_fn(cfg: RewardConfig) -> RewardFn:
     return functools.partial(mscr, b1=cfg.b1, b2=cfg.b2, format_penalty=lam)
 
 
+def shaped_rewards(reward: RewardFn, shaping, correct: jax.Array, q: jax.Array, format_ok: jax.Array,
+                   lengths: jax.Array) -> jax.Array:
+    """The training reward of B rows: `reward(correct, q, format_ok)` plus `shaping` (an
+    `overlong_fn`, or None: off) of int[B] model-written token counts -> f32[B]. The one
+    formula the device scorer (`rl.batches.make_scorer`) and dynamic sampling's host filter
+    both use."""
+    rewards = reward(correct, q, format_ok)
+    return rewards if shaping is None else rewards + shaping(lengths)
+
+
 class RewardInputs(NamedTuple):
     """Host arrays for a reward function: correct bool[B], q float32[B], format_ok bool[B]."""
 
@@ -164,7 +174,7 @@ Task = Literal["qa", "math", "chance"]
 
 def reward_inputs(
     responses: Sequence[pieces.Response], golds: Sequence[Sequence[str]], task: Task | Sequence[Task] = "qa",
-    draws: Sequence[float] | None = None,
+    draws: Sequence[float] | None = None, grammar: str = "tags",
 ) -> RewardInputs:
     """Parses B responses against their golds. A response is an episode's pieces ((text,
     written by the model) pairs: answers and confidences come from the model's own text
@@ -173,7 +183,9 @@ def reward_inputs(
     row (a step may mix search questions and math problems).
 
     task "qa" (search agent): correct = SQuAD exact match of the last `<answer>` against any
-    gold (no answer -> wrong); format_ok = the full `parsing.check_format` chain.
+    gold (no answer -> wrong); format_ok = the response follows `grammar`: "tags", the full
+    `parsing.check_format` chain, or "qwen", Qwen's tool-call turns (`chat_format`; the
+    `qwen` protocol's), see `pieces.GRAMMARS`.
     task "math" (TIR): correct = `parsing.math_equal` on the last `<answer>` if there is one,
     else on the last `\\boxed{}` (the model's, else its program's); format_ok = the confidence
     parses (the search chain does not apply to code trajectories).
@@ -192,7 +204,7 @@ def reward_inputs(
                          f"({len(responses)}), got {None if draws is None else len(draws)}")
     correct, q, ok = [], [], []
     for i, (response, gold, kind) in enumerate(zip(responses, golds, tasks)):
-        parsed = pieces.parse_pieces(response)
+        parsed = pieces.parse_pieces(response, grammar)
         if kind == "qa":
             correct.append(parsed.answer is not None and parsing.exact_match(parsed.answer, gold))
             ok.append(parsed.format_ok)

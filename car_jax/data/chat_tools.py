@@ -81,23 +81,24 @@ def read_call(body: str) -> tuple[str, str] | None:
 
 
 def tool_prompts(tokenizer, prompts: Sequence[Sequence[dict]], kinds: Sequence[str],
-                 protocol: str = "qwen") -> list[str]:
+                 setting: str = "rollout.protocol='qwen'") -> list[str]:
     """Chat messages [N] -> prompt texts [N], each rendered by the tokenizer's chat template
     with `tools=` the schemas of `kinds` and the assistant turn opened. Raises ValueError
-    naming `protocol` when the tokenizer has no template or its template ignores tools."""
-    check_tool_template(tokenizer, kinds, protocol)
+    naming `setting` (the key=value that asked for native tool calls) when the tokenizer has
+    no template or its template ignores tools."""
+    check_tool_template(tokenizer, kinds, setting)
     tools = tool_schemas(kinds)
     return [tokenizer.apply_chat_template(list(p), tools=tools, tokenize=False, add_generation_prompt=True)
             for p in prompts]
 
 
-def check_tool_template(tokenizer, kinds: Sequence[str], protocol: str = "qwen") -> None:
+def check_tool_template(tokenizer, kinds: Sequence[str], setting: str = "rollout.protocol='qwen'") -> None:
     """Raises ValueError unless the tokenizer's chat template renders tools: it must exist,
     and a probe conversation rendered with `tools=` must differ from it rendered without
-    and name every tool."""
-    fix = (f"rollout.protocol={protocol!r} writes native tool calls, so the prompt is rendered by the "
-           f"tokenizer's chat template with tools=; use a Qwen2.5 / Qwen3 Instruct tokenizer (the Instruct "
-           f"checkpoint's folder as model.path), or a tag protocol (car_search, mixed) instead")
+    and name every tool. The message names `setting`, the key=value that asked for them."""
+    fix = (f"{setting} writes native tool calls, so the prompt is rendered by the tokenizer's chat template "
+           f"with tools=; use a Qwen2.5 / Qwen3 Instruct tokenizer (the Instruct checkpoint's folder as "
+           f"model.path), or a tag protocol (car_search, mixed) instead")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"this tokenizer has no chat template. {fix}")
     probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]

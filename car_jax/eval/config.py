@@ -69,7 +69,7 @@ class OutputConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     seed: int = 0  # 0 .. 2^31 - 1 (the loader's int32 range; a PRNG key holds its low 32 bits)
-    mode: Literal["search", "direct", "tir", "mixed"] = "search"  # `eval.runner.MODES`
+    mode: Literal["search", "direct", "tir", "mixed", "qwen"] = "search"  # `eval.runner.MODES`
     batch_size: int = 8  # episodes run together
     model: EvalModelConfig = EvalModelConfig()
     data: EvalDataConfig = EvalDataConfig()

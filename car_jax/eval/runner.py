@@ -10,8 +10,12 @@ Modes (prompt template, action protocol, tool):
     tir     TIR prompt, `TIR()` protocol, tool "code" (the Python sandbox); math examples only
     mixed   mixed prompt, `Mixed()` protocol, both tools ("search" and "code") in one episode;
             QA and math examples alike (world-large mixed_train / mixed_dev)
+    qwen    qwen prompt rendered by the tokenizer's chat template with the tools listed
+            (`data.chat_tools.tool_prompts`: Qwen2.5 / Qwen3 Instruct), `Qwen()` protocol
+            (native `<tool_call>` JSON), both tools; a QA response's format is checked by
+            Qwen's turns (`calibration.chat_format`), not the tag chain
 Scoring (`car_jax.calibration.rewards.reward_inputs`, with each example's task): "qa" = exact match of the
-last <answer>, format = the full tag chain; "math" = math-verify on the last <answer> or
+last <answer>, format = the full tag chain (mode qwen: its turns); "math" = math-verify on the last <answer> or
 \\boxed{}, format = the confidence parses. A missing confidence counts as q = 0.
 
 Files written to `out_dir`:
@@ -85,11 +89,12 @@ from car_jax.calibration import metrics, parsing, pieces
 from car_jax.calibration.plots import reliability_diagram
 from car_jax.calibration.rewards import reward_inputs
 from car_jax.config import require
+from car_jax.data.chat_tools import check_tool_template, tool_prompts
 from car_jax.data.examples import QAExample
 from car_jax.data.prompts import make_prompt
 from car_jax.rl.confidence import confidence_prefix, expected_q, mode_value, value_distribution
 from car_jax.rollout.episode import EpisodeConfig, EpisodeStats, run_episodes
-from car_jax.rollout.protocols import TIR, Mixed, car_search
+from car_jax.rollout.protocols import TIR, Mixed, Qwen, car_search
 from car_jax.rollout.toolbox import tool_names
 
 SAMPLES_FILE, SUMMARY_FILE, PLOT_FILE = "samples.jsonl", "summary.json", "reliability.png"
@@ -103,13 +108,23 @@ EVAL_EPISODE = EpisodeConfig(max_turns=4, max_response_tokens=500, max_obs_token
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """How one evaluation mode prompts and acts: template name, protocol factory, tool kind."""
+    """How one evaluation mode prompts and acts: template name, protocol factory, tool kind;
+    `single_turn`: no tool call (max_turns=0); `chat_tools`: the prompt is rendered by the
+    tokenizer's chat template with the tools listed (native tool calls)."""
 
     name: str
     template: str
     protocol: Callable[[], object]
     tool: str | None  # the tool kind the mode calls (`toolbox.tool_names`), None for no tool
     single_turn: bool = False
+    chat_tools: bool = False
+
+    def prompts(self, examples: Sequence[QAExample], tokenizer=None) -> list:
+        """The episodes' prompts: chat messages, or (chat_tools) texts rendered with the tools."""
+        messages = [make_prompt(e, self.template) for e in examples]
+        if not self.chat_tools:
+            return messages
+        return tool_prompts(tokenizer, messages, tool_names(self.tool), f"car-jax eval mode={self.name!r}")
 
 
 MODES = {
@@ -117,6 +132,7 @@ MODES = {
     "direct": Mode("direct", "direct", car_search, None, single_turn=True),
     "tir": Mode("tir", "tir", TIR, "code"),
     "mixed": Mode("mixed", "mixed", Mixed, "mixed"),
+    "qwen": Mode("qwen", "qwen", Qwen, "mixed", chat_tools=True),
 }
 
 
@@ -131,15 +147,16 @@ def score(examples: Sequence[QAExample], responses: Sequence[pieces.Response], m
     """Responses (an episode's pieces, or response texts) -> one sample record per example
     (no episode stats). Answers and confidences come from the model's own text only
     (`car_jax.calibration.pieces`); `response` is the whole text, tools' pieces included.
+    The format is checked by the grammar of `mode`'s protocol (`pieces.GRAMMARS`).
 
     Record: id, question, golden_answers, data_source, mode, response, answer (None when the
     response has none), confidence (q in [0, 1], 0 when missing), confidence_ok, correct (bool),
     format_ok (bool), format_reason, plus `kind` / `answerable` when the example's meta has them.
     """
-    out = []
+    out, grammar = [], get_mode(mode).protocol().grammar
     for ex, response in zip(examples, responses, strict=True):
-        inputs = reward_inputs([response], [list(ex.golden_answers)], task=ex.task)
-        parsed = pieces.parse_pieces(response)
+        inputs = reward_inputs([response], [list(ex.golden_answers)], task=ex.task, grammar=grammar)
+        parsed = pieces.parse_pieces(response, grammar)
         text = response if isinstance(response, str) else "".join(t for t, _ in response)
         answer = parsed.answer
         if ex.task == "math":
@@ -440,24 +457,25 @@ def compare_table(summaries: dict[str, dict]) -> str:
 
 
 # ---------------------------------------------------------------- the loop
-def _run_batch(run: Callable, batch: list[QAExample], template: str, mode: str, mesh,
-               tokenizer=None) -> tuple[list[dict], int, list]:
-    """One batch's episodes (`run(prompts)`: run_episodes with the loop's settings) ->
+def _run_batch(run: Callable, batch: list[QAExample], spec: Mode, mesh, tokenizer=None,
+               prefixes: bool = True) -> tuple[list[dict], int, list]:
+    """One batch's episodes (`run(prompts)`: run_episodes with the loop's settings; the
+    prompts `spec.prompts`, rendered with `tokenizer` for a chat-tools mode) ->
     (its sample records in batch order, in every process; tokens the model sampled for
     them; each episode's confidence prefix, `rl.confidence.confidence_prefix` of its own
-    tags (None without a tag, or when no tokenizer is given), in batch order in every
+    tags (None without a tag, or when no tokenizer is given or `prefixes` is off), in batch order in every
     process). On a mesh the rows are padded with copies of the last example to a multiple
     of fsdp and each process runs its block of them; padded rows' results are dropped."""
     rows = batch + [batch[-1]] * (-len(batch) % (1 if mesh is None else mesh.shape["fsdp"]))
     mine = hosts.local_rows(len(rows), mesh)
-    trajs = run([make_prompt(e, template) for e in rows[mine]])
+    trajs = run(spec.prompts(rows[mine], tokenizer))
     real = max(0, min(mine.stop, len(batch)) - mine.start)  # this process's rows that are not padding
     trajs = trajs[:real]
-    records = score(batch[mine.start:mine.start + real], [t.pieces for t in trajs], mode)
+    records = score(batch[mine.start:mine.start + real], [t.pieces for t in trajs], spec.name)
     for rec, t in zip(records, trajs):
         rec.update(n_turns=t.n_turns, n_tool_calls=t.n_tool_calls, answered=t.answered,
                    tool_requests=[log["request"] for log in t.tool_log])
-    prefixes = [None] * len(trajs) if tokenizer is None else [
+    prefixes = [None] * len(trajs) if tokenizer is None or not prefixes else [
         confidence_prefix(t.prompt_ids, t.response_ids, tokenizer, sampled=t.loss_mask) for t in trajs]
     parts = hosts.allgather_objects({"start": mine.start, "records": records, "prefixes": prefixes,
                                      "sampled": sum(int(t.loss_mask.sum()) for t in trajs)})
@@ -491,11 +509,12 @@ def expected_fields(model, tokenizer, prefixes: Sequence) -> list[dict]:
 SAMPLED_FIELDS = ("answer", "correct", "confidence", "confidence_ok", "format_ok", "n_turns", "n_tool_calls")
 
 
-def _sampled_episodes(run: Callable, batch: list[QAExample], k: int, template: str, mode: str,
-                      mesh) -> tuple[list[list[dict]], int]:
+def _sampled_episodes(run: Callable, batch: list[QAExample], k: int, spec: Mode, mesh,
+                      tokenizer=None) -> tuple[list[list[dict]], int]:
     """k sampled episodes of each example of the batch (`run`: run_episodes at the sampled
     settings) -> (per example its k scored episodes, SAMPLED_FIELDS only; tokens sampled)."""
-    records, n_sampled, _ = _run_batch(run, [e for e in batch for _ in range(k)], template, mode, mesh)
+    records, n_sampled, _ = _run_batch(run, [e for e in batch for _ in range(k)], spec, mesh, tokenizer,
+                                       prefixes=False)
     kept = [{f: r[f] for f in SAMPLED_FIELDS} for r in records]
     return [kept[i * k:(i + 1) * k] for i in range(len(batch))], n_sampled
 
@@ -549,6 +568,8 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], options: EvalOptio
     tools = dict(tools or {})
     if missing := [name for name in tool_names(spec.tool) if name not in tools]:
         raise ValueError(f"mode {mode!r} needs a {missing[0]!r} tool in tools=, got {sorted(tools)}")
+    if spec.chat_tools:  # before any episode: the tokenizer's template must list the tools
+        check_tool_template(tokenizer, tool_names(spec.tool), f"car-jax eval mode={mode!r}")
     if mode == "tir" and (bad := [e.id for e in examples if e.task != "math"]):
         raise ValueError(f"mode 'tir' scores math answers, but {len(bad)} examples are QA (e.g. {bad[0]!r}); "
                          "use a math dataset (MATH-500: problem, answer; AIME 2024: Problem, Answer) "
@@ -581,8 +602,7 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], options: EvalOptio
         batch = todo[start:start + batch_size]
         run = functools.partial(run_episodes, model, tokenizer, tools=tools, config=config, protocol=spec.protocol(),
                                 seed=seed + start, stats=stats)
-        records, n_sampled, prefixes = _run_batch(run, batch, spec.template, mode, mesh,
-                                                  None if model is None else tokenizer)
+        records, n_sampled, prefixes = _run_batch(run, batch, spec, mesh, tokenizer, prefixes=model is not None)
         if model is not None:  # no model: tests script run_episodes
             t_expected = time.perf_counter()
             for rec, fields in zip(records, expected_fields(model, tokenizer, prefixes)):
@@ -591,7 +611,7 @@ def evaluate(model, tokenizer, examples: Sequence[QAExample], options: EvalOptio
         if samples:
             run = functools.partial(run_episodes, model, tokenizer, tools=tools, config=sample_cfg,
                                     protocol=spec.protocol(), seed=seed + SAMPLE_SEED + start, stats=stats)
-            per_example, n_more = _sampled_episodes(run, batch, samples, spec.template, mode, mesh)
+            per_example, n_more = _sampled_episodes(run, batch, samples, spec, mesh, tokenizer)
             for rec, episodes in zip(records, per_example):
                 rec["sampled"] = episodes
             n_sampled += n_more

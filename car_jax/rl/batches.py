@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from car_jax import hosts
-from car_jax.calibration.rewards import RewardFn
+from car_jax.calibration.rewards import RewardFn, shaped_rewards
 from car_jax.rl import grpo
 from car_jax.rl.host_batch import HostBatch, MicroPlan
 from car_jax.rl.mismatch import mismatch_metrics
@@ -166,9 +166,7 @@ def make_scorer(reward: RewardFn, std_norm: bool = True, mesh: Mesh | None = Non
     gets advantage 0 and leaves its group's mean and std), on the device: the advantages go
     straight into the train step, and only metrics of the rewards come back."""
     def score(batch: TrainBatch):
-        rewards = reward(batch.correct, batch.q, batch.format_ok)
-        if shaping is not None:
-            rewards = rewards + shaping(batch.mask.sum(-1))
+        rewards = shaped_rewards(reward, shaping, batch.correct, batch.q, batch.format_ok, batch.mask.sum(-1))
         adv = grpo.group_advantages(rewards, batch.group, std_norm=std_norm, valid=batch.keep)
         return batch.replace(advantages=adv), rewards
 

@@ -36,8 +36,11 @@ class Action:
 
 
 class _Wrapped:
-    """What every protocol shares: an observation is its `wrap` joined, and no observation
-    ends an episode unless the protocol says otherwise (TIR's printed answer)."""
+    """What every protocol shares: an observation is its `wrap` joined, no observation
+    ends an episode unless the protocol says otherwise (TIR's printed answer), and the
+    reward checks a QA response's format by the tag chain unless the protocol names
+    another grammar (`calibration.pieces.GRAMMARS`)."""
+    grammar = "tags"
 
     def wrap(self, action: Action, result: str) -> tuple[str, str, str]:
         raise NotImplementedError
@@ -162,7 +165,8 @@ class Qwen(_Wrapped):
     `<|im_end|>` `<|im_start|>assistant`; the invalid message as a plain user turn. No
     observation ends the episode. A turn the model ended with its own `<|im_end|>` (prose,
     no call) keeps that token, so the message's turn follows a second one: `wrap` is not
-    told how the segment ended."""
+    told how the segment ended. The reward checks the format by Qwen's turns (`grammar`)."""
+    grammar = "qwen"
     stops: tuple = ("</tool_call>", "</confidence>")
     final_stops: tuple = ("</confidence>",)
     # no literal tags in the message (see SearchR1.invalid_message)

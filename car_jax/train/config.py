@@ -195,6 +195,10 @@ class TrainConfig:
                 f"<= the length cap L_max ({over.max_tokens or budget}: reward.overlong.max_tokens, or when 0 "
                 f"(rollout.max_turns + 1) x rollout.max_response_tokens); the penalty ramps over the last "
                 f"buffer tokens before it")
+        native = self.rollout.protocol == "qwen"  # native tool calls: the qwen prompt, and only it
+        require(native == (self.data.template == "qwen"), "data.template", self.data.template,
+                "'qwen' with rollout.protocol=qwen, and 'qwen' only with it (its prompt leaves the tool layout to "
+                f"the chat template's native calls; rollout.protocol is {self.rollout.protocol!r})")
         require(self.rl.steps >= 1 or self.sft.steps >= 1, "rl.steps", self.rl.steps,
                 ">= 1, or 0 with sft.steps >= 1 for a run that only does the SFT warm start")
         rl, n = self.rl, self.rl.prompts_per_step * self.rollout.group_size

@@ -122,7 +122,7 @@ def build_setup(cfg: TrainConfig) -> Setup:
     protocol, tool_kind = PROTOCOLS[cfg.rollout.protocol]
     if cfg.rollout.protocol == "qwen":  # native tool calls: the chat template must list the tools
         try:
-            check_tool_template(tokenizer, tool_names(tool_kind), cfg.rollout.protocol)
+            check_tool_template(tokenizer, tool_names(tool_kind), f"rollout.protocol={cfg.rollout.protocol!r}")
         except ValueError as err:
             raise ConfigError(f"model.path: {err}") from None
     optimizer = make_optimizer(cfg.rl.optim)

@@ -5,9 +5,13 @@ not follow the tag format yet.
 Data: JSONL, one trajectory a line:
     {"messages": [chat messages of the prompt], "segments": [{"text": "...", "train": true}, ...]}
 or  {"messages": [...], "response": "..."}  (the whole response is trained on).
+A line may add "tools": ["search", "code"] (action kinds): its prompt is then rendered by the
+tokenizer's chat template with those tools listed (`data.chat_tools.tool_prompts`), as the
+`qwen` protocol's prompts are.
 `data = "world"` builds demonstrations from the offline world instead (`world_demos`; with
-the `mixed` template `mixed_demos`, which teach both tools); `data = "chance"` builds the
-positive control's (`chance_demos`: the layout, with uninformative confidences).
+the `mixed` template `tool_demos`, which teach both tools, and with the `qwen` template the
+same in Qwen's native tool calls); `data = "chance"` builds the positive control's
+(`chance_demos`: the layout, with uninformative confidences).
 """
 from __future__ import annotations
 
@@ -21,11 +25,12 @@ import numpy as np
 from car_jax import hosts
 from car_jax.calibration.parsing import normalize_answer
 from car_jax.data import make_prompt, world_arith
+from car_jax.data.chat_tools import tool_prompts
 from car_jax.rl.batches import micro_batches, share_prompts, to_device
 from car_jax.rl.host_batch import host_batch, longest, micro_plan
 from car_jax.rollout.episode import Trajectory
 from car_jax.rollout.generate import prompt_texts
-from car_jax.rollout.protocols import Action, Mixed
+from car_jax.rollout.protocols import Action, Mixed, Qwen
 from car_jax.tools.python_tool import OBSERVATION_PREFIX
 from car_jax.train.config import SFTConfig
 
@@ -54,9 +59,9 @@ def world_demos(examples, retriever, template: str = "search", confidence: int |
     answer with the gold answer when the documents contain it, else say "unknown"; the
     stated confidence follows `confidence` (`demo_confidences`: by default high when the
     documents hold the answer, low otherwise)."""
-    if template == "mixed":
-        raise ValueError("world_demos writes search demonstrations; for the mixed template use mixed_demos, "
-                         "which also teaches the code tool")
+    if template in TOOL_DEMOS:
+        raise ValueError(f"world_demos writes search demonstrations in the tag layout; for the {template} "
+                         f"template use tool_demos(..., template={template!r}), which also teaches the code tool")
     observations = retriever([ex.question for ex in examples])
     found = [any(normalize_answer(g) in normalize_answer(docs) for g in ex.golden_answers)
              for ex, docs in zip(examples, observations)]
@@ -80,7 +85,7 @@ def chance_demos(examples, confidence: int | str = "random", seed: int = 0) -> l
 
 def _search_segments(ex, docs: str, hit: bool, conf: int) -> list[dict]:
     """A search demonstration: search the question, read the docs, answer (or "unknown")."""
-    thought = "The documents give the answer." if hit else "The documents do not say."
+    thought = THOUGHTS["search"][hit]
     return [{"text": f"<think> I should look this up. </think>\n<search> {ex.question} </search>", "train": True},
             {"text": f"\n\n<information>{docs.strip()}</information>\n\n", "train": False},
             _ending(thought, ex.golden_answers[0] if hit else "unknown", conf)]
@@ -101,21 +106,45 @@ def _prints(result: str, golds) -> bool:
         return False
 
 
-def mixed_demos(examples, tools: dict, confidence: int | str = "informative", seed: int = 0) -> list[dict]:
-    """One demonstration per example with the `mixed` prompt, teaching both tools: a QA
-    example searches its question with tools["search"] (as `world_demos`); a math example
-    (a world-large word problem: meta `op`) writes the program that computes its answer
-    (`world_arith.program`), runs it with tools["code"] (the observation as the `Mixed`
-    protocol writes it) and answers with the gold when the program printed it, else
-    "unknown". The stated confidence follows `confidence` (`demo_confidences`; "informative":
-    high when the documents hold the answer / the program printed it, low otherwise).
-    `tools`: a Toolbox's tools (`open_tools("mixed", ...)`), batched callables."""
+def _call(template: str, kind: str, payload: str) -> str:
+    """The model's text of one tool call: the tag layout (`mixed`: `<search>`, a fenced
+    program) or Qwen's (`<tool_call>` JSON, as its chat template renders a call)."""
+    if template == "qwen":
+        name, arg = ("search", "query") if kind == "search" else ("python", "code")
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': {arg: payload}}, ensure_ascii=False)}\n</tool_call>"
+    return f"<search> {payload} </search>" if kind == "search" else f"```python\n{payload}\n```"
+
+
+# what a demonstration thinks before answering: action kind -> (not found, found)
+THOUGHTS = {"search": ("The documents do not say.", "The documents give the answer."),
+            "code": ("The program did not give the answer.", "The program gives the answer.")}
+# template -> (the protocol whose observations a demonstration splices in, the thought before a call)
+TOOL_DEMOS = {"mixed": (Mixed(), "<think> I should {verb}. </think>\n"), "qwen": (Qwen(), "I should {verb}.\n")}
+
+
+def tool_demos(examples, tools: dict, confidence: int | str = "informative", seed: int = 0,
+               template: str = "mixed") -> list[dict]:
+    """One demonstration per example teaching both tools, in `template`'s layout ("mixed":
+    the tags and fenced programs of the `Mixed` protocol; "qwen": `<tool_call>` JSON and
+    `<tool_response>` turns of the `Qwen` protocol, the prompt listing the tools through the
+    chat template, the line's "tools"). A QA example searches its question with
+    tools["search"]; a math example (a world-large word problem: meta `op`) writes the
+    program that computes its answer (`world_arith.program`) and runs it with tools["code"];
+    each observation is written as the template's protocol writes it, and the answer is the
+    gold when the documents hold it / the program printed it, else "unknown". The stated
+    confidence follows `confidence` (`demo_confidences`; "informative": high when the answer
+    was found, low otherwise). `tools`: a Toolbox's tools (`open_tools("mixed", ...)`),
+    batched callables."""
+    if template not in TOOL_DEMOS:
+        raise ValueError(f"tool demonstrations are written for the templates {sorted(TOOL_DEMOS)}, not "
+                         f"{template!r}; for the search template use world_demos")
+    protocol, before = TOOL_DEMOS[template]
     if missing := sorted({"search" if ex.task == "qa" else "code" for ex in examples} - set(tools)):
-        raise ValueError(f"mixed demonstrations need a {missing[0]!r} tool, got {sorted(tools)}: open the tools "
-                         "of rollout.protocol=mixed")
+        raise ValueError(f"{template} demonstrations need a {missing[0]!r} tool, got {sorted(tools)}: open the "
+                         f"tools of rollout.protocol={template}")
     no_op = [ex.id for ex in examples if ex.task == "math" and ex.meta.get("op") not in world_arith.OPS]
     if no_op:
-        raise ValueError(f"mixed demonstrations write a program only for world-large word problems (meta op), "
+        raise ValueError(f"{template} demonstrations write a program only for world-large word problems (meta op), "
                          f"not for {no_op[0]!r}; use data.train=world-large with a mixed or arith split")
     qa = [ex for ex in examples if ex.task == "qa"]
     math = [ex for ex in examples if ex.task == "math"]
@@ -127,16 +156,17 @@ def mixed_demos(examples, tools: dict, confidence: int | str = "informative", se
     stated = demo_confidences(len(examples), confidence, found, seed)
     demos = []
     for ex, hit, conf in zip(examples, found, stated):
-        if ex.task == "qa":
-            segments = _search_segments(ex, docs[ex.id], hit, conf)
-        else:
-            program = programs[ex.id]
-            thought = "The program gives the answer." if hit else "The program did not give the answer."
-            call = f"<think> I should calculate this. </think>\n```python\n{program}\n```"
-            segments = [{"text": call, "train": True},
-                        {"text": Mixed().observation(Action("code", program), results[ex.id]), "train": False},
-                        _ending(thought, ex.golden_answers[0] if hit else "unknown", conf)]
-        demos.append({"messages": make_prompt(ex, "mixed"), "segments": segments})
+        kind = "search" if ex.task == "qa" else "code"
+        payload, result = (ex.question, docs[ex.id]) if kind == "search" else (programs[ex.id], results[ex.id])
+        thought = THOUGHTS[kind][hit]
+        call = before.format(verb="look this up" if kind == "search" else "calculate this")
+        ending = _ending(thought, ex.golden_answers[0] if hit else "unknown", conf)
+        if template == "qwen":  # prose, not <think> tags, around Qwen's calls
+            ending["text"] = ending["text"].replace("<think> ", "").replace(" </think>", "")
+        segments = [{"text": call + _call(template, kind, payload), "train": True},
+                    {"text": protocol.observation(Action(kind, payload), result), "train": False}, ending]
+        demo = {"messages": make_prompt(ex, template), "segments": segments}
+        demos.append(demo | ({"tools": ["search", "code"]} if template == "qwen" else {}))
     return demos
 
 
@@ -161,8 +191,10 @@ def read_demos(path: str | Path) -> list[dict]:
 
 
 def tokenize_demos(demos: list[dict], tokenizer) -> list[Trajectory]:
-    """Trajectories (prompt ids, response ids, loss mask) from demonstration dicts."""
-    prompts = prompt_texts(tokenizer, [d["messages"] for d in demos])
+    """Trajectories (prompt ids, response ids, loss mask) from demonstration dicts (a
+    "tools" entry: the prompt rendered with those tools listed, `tool_prompts`)."""
+    prompts = [tool_prompts(tokenizer, [d["messages"]], d["tools"], "an SFT line's \"tools\"")[0] if d.get("tools")
+               else prompt_texts(tokenizer, [d["messages"]])[0] for d in demos]
     out = []
     for demo, prompt in zip(demos, prompts):
         traj = Trajectory(tokenizer(prompt, add_special_tokens=False)["input_ids"])

@@ -13,6 +13,7 @@ One step:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 import time
@@ -25,7 +26,7 @@ import numpy as np
 
 from car_jax import hosts
 from car_jax.calibration import metrics as cal
-from car_jax.calibration.rewards import RewardInputs, reward_fn, reward_inputs
+from car_jax.calibration.rewards import RewardInputs, reward_fn, reward_inputs, shaped_rewards
 from car_jax.checkpoints.loader import save_hf_folder
 from car_jax.checkpoints.peft import save_peft_folder
 from car_jax.checkpoints.train_state import TrainCheckpointer, abstract_state
@@ -45,7 +46,7 @@ from car_jax.train.config import TrainConfig
 from car_jax.train.log import MetricsLogger, NullLogger, Progress, Timer
 from car_jax.train.loggers import Sample, import_wandb
 from car_jax.train.setup import Setup, build_setup, overlong
-from car_jax.train.sft import chance_demos, mixed_demos, read_demos, run_sft, tokenize_demos, world_demos
+from car_jax.train.sft import TOOL_DEMOS, chance_demos, read_demos, run_sft, tokenize_demos, tool_demos, world_demos
 
 
 class Trainer:
@@ -65,7 +66,7 @@ class Trainer:
         self.examples = training_examples(cfg)  # before the model loads: a bad data path fails in seconds
         self.setup: Setup = build_setup(cfg)
         # the scorer's reward, on the host too: dynamic sampling's filter reads the rewards
-        self.reward, self.shaping = jax.jit(reward_fn(cfg.reward)), overlong(cfg)
+        self.rewards = jax.jit(functools.partial(shaped_rewards, reward_fn(cfg.reward), overlong(cfg)))
         self.dir = Path(cfg.run.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         if hosts.is_writer():
@@ -101,8 +102,8 @@ class Trainer:
         target = {"params": abstract_state(s.state.params)}
         if cfg.run.resume and self.warm_ckpt.latest_step() == cfg.sft.steps:
             return self.warm_ckpt.restore(None, target)[0]["params"]
-        if cfg.sft.data == "world" and cfg.data.template == "mixed":  # both tools: the run's own
-            demos = mixed_demos(self.examples, s.toolbox.tools)
+        if cfg.sft.data == "world" and cfg.data.template in TOOL_DEMOS:  # both tools: the run's own
+            demos = tool_demos(self.examples, s.toolbox.tools, template=cfg.data.template)
         elif cfg.sft.data == "world":
             demos = world_demos(self.examples, world_retriever(), cfg.data.template)
         elif cfg.sft.data == chance.NAME:  # the positive control: the layout, uninformative confidences
@@ -185,9 +186,8 @@ class Trainer:
             if ds.filter == "off":
                 break
             examples, trajs, inputs = rounds[-1]
-            rewards = np.asarray(self.reward(inputs.correct, inputs.q, inputs.format_ok))
-            if self.shaping is not None:
-                rewards = rewards + np.asarray(self.shaping(np.array([t.loss_mask.sum() for t in trajs])))
+            lengths = np.array([t.loss_mask.sum() for t in trajs])
+            rewards = np.asarray(self.rewards(inputs.correct, inputs.q, inputs.format_ok, lengths))
             keep = np.array([t.void_turns == 0 for t in trajs])
             signal.append(dynamic.group_signal(rewards, inputs.correct, keep, g, ds.filter))
             if not hosts.allgather(np.array([dynamic.short(signal, len(examples))])).any():
@@ -230,7 +230,7 @@ class Trainer:
             # the chance task's grading draws: the round's, over every process's rows, this process's slice
             draws = chance.draws(cfg.seed, step, rows, round_)[mine]
             inputs = reward_inputs([t.pieces for t in trajs], golds, [ex.task for ex in examples for _ in range(g)],
-                                   draws)
+                                   draws, grammar=s.protocol.grammar)
         return examples, trajs, inputs
 
     def _selected(self, rounds: list, signal: list):

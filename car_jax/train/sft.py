@@ -86,14 +86,20 @@ def chance_demos(examples, confidence: int | str = "random", seed: int = 0) -> l
 def _search_segments(ex, docs: str, hit: bool, conf: int) -> list[dict]:
     """A search demonstration: search the question, read the docs, answer (or "unknown")."""
     thought = THOUGHTS["search"][hit]
-    return [{"text": f"<think> I should look this up. </think>\n<search> {ex.question} </search>", "train": True},
+    return [{"text": f"{_thought('I should look this up.')}<search> {ex.question} </search>", "train": True},
             {"text": f"\n\n<information>{docs.strip()}</information>\n\n", "train": False},
             _ending(thought, ex.golden_answers[0] if hit else "unknown", conf)]
 
 
-def _ending(thought: str | None, answer: str, conf: int) -> dict:
+def _thought(text: str, template: str = "search") -> str:
+    """A demonstration's thought as the template's layout writes it: in `<think>` tags, or
+    (qwen) as prose before Qwen's calls and answer."""
+    return f"{text}\n" if template == "qwen" else f"<think> {text} </think>\n"
+
+
+def _ending(thought: str | None, answer: str, conf: int, template: str = "search") -> dict:
     """The answer and confidence a demonstration ends with (after a thought, if one is given)."""
-    think = "" if thought is None else f"<think> {thought} </think>\n"
+    think = "" if thought is None else _thought(thought, template)
     return {"text": f"{think}<answer> {answer} </answer>\n<confidence> {conf} </confidence>", "train": True}
 
 
@@ -118,8 +124,8 @@ def _call(template: str, kind: str, payload: str) -> str:
 # what a demonstration thinks before answering: action kind -> (not found, found)
 THOUGHTS = {"search": ("The documents do not say.", "The documents give the answer."),
             "code": ("The program did not give the answer.", "The program gives the answer.")}
-# template -> (the protocol whose observations a demonstration splices in, the thought before a call)
-TOOL_DEMOS = {"mixed": (Mixed(), "<think> I should {verb}. </think>\n"), "qwen": (Qwen(), "I should {verb}.\n")}
+# template -> the protocol whose observations a demonstration splices in
+TOOL_DEMOS = {"mixed": Mixed(), "qwen": Qwen()}
 
 
 def tool_demos(examples, tools: dict, confidence: int | str = "informative", seed: int = 0,
@@ -138,7 +144,7 @@ def tool_demos(examples, tools: dict, confidence: int | str = "informative", see
     if template not in TOOL_DEMOS:
         raise ValueError(f"tool demonstrations are written for the templates {sorted(TOOL_DEMOS)}, not "
                          f"{template!r}; for the search template use world_demos")
-    protocol, before = TOOL_DEMOS[template]
+    protocol = TOOL_DEMOS[template]
     if missing := sorted({"search" if ex.task == "qa" else "code" for ex in examples} - set(tools)):
         raise ValueError(f"{template} demonstrations need a {missing[0]!r} tool, got {sorted(tools)}: open the "
                          f"tools of rollout.protocol={template}")
@@ -159,10 +165,8 @@ def tool_demos(examples, tools: dict, confidence: int | str = "informative", see
         kind = "search" if ex.task == "qa" else "code"
         payload, result = (ex.question, docs[ex.id]) if kind == "search" else (programs[ex.id], results[ex.id])
         thought = THOUGHTS[kind][hit]
-        call = before.format(verb="look this up" if kind == "search" else "calculate this")
-        ending = _ending(thought, ex.golden_answers[0] if hit else "unknown", conf)
-        if template == "qwen":  # prose, not <think> tags, around Qwen's calls
-            ending["text"] = ending["text"].replace("<think> ", "").replace(" </think>", "")
+        call = _thought("I should look this up." if kind == "search" else "I should calculate this.", template)
+        ending = _ending(thought, ex.golden_answers[0] if hit else "unknown", conf, template)
         segments = [{"text": call + _call(template, kind, payload), "train": True},
                     {"text": protocol.observation(Action(kind, payload), result), "train": False}, ending]
         demo = {"messages": make_prompt(ex, template), "segments": segments}
@@ -193,8 +197,16 @@ def read_demos(path: str | Path) -> list[dict]:
 def tokenize_demos(demos: list[dict], tokenizer) -> list[Trajectory]:
     """Trajectories (prompt ids, response ids, loss mask) from demonstration dicts (a
     "tools" entry: the prompt rendered with those tools listed, `tool_prompts`)."""
-    prompts = [tool_prompts(tokenizer, [d["messages"]], d["tools"], "an SFT line's \"tools\"")[0] if d.get("tools")
-               else prompt_texts(tokenizer, [d["messages"]])[0] for d in demos]
+    groups: dict[tuple, list[int]] = {}  # the lines' "tools" -> their indices: one render (and check) per set
+    for i, demo in enumerate(demos):
+        groups.setdefault(tuple(demo.get("tools") or ()), []).append(i)
+    prompts = [""] * len(demos)
+    for tools, rows in groups.items():
+        messages = [demos[i]["messages"] for i in rows]
+        texts = tool_prompts(tokenizer, messages, tools, "an SFT line's \"tools\"") if tools else \
+            prompt_texts(tokenizer, messages)
+        for i, text in zip(rows, texts):
+            prompts[i] = text
     out = []
     for demo, prompt in zip(demos, prompts):
         traj = Trajectory(tokenizer(prompt, add_special_tokens=False)["input_ids"])

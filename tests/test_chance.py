@@ -20,6 +20,7 @@ def test_examples_cover_every_kind_in_any_prefix():
     for e in exs:
         p = dict(chance.KINDS)[e.meta["kind"]]
         assert e.task == "chance" and float(e.golden_answers[0]) == p == e.meta["p"]
+        assert e.golden_answers[1] == e.meta["kind"]
         assert e.data_source == f"chance-{e.meta['kind']}" and e.meta["kind"] in e.question
     messages = make_prompt(exs[0], "chance")
     assert "0 to 100" in messages[0]["content"] and messages[1]["content"] == exs[0].question

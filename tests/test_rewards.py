@@ -197,22 +197,29 @@ def test_reward_inputs_math():
 
 
 def test_reward_inputs_chance():
-    """The positive control's grading: an answered row is correct iff its draw is below the
-    gold p, whatever it answered; a row without an answer is wrong; format = answer and
-    confidence parse."""
+    """The positive control's grading: a row that names the gold kind is correct iff its draw
+    is below the gold p; a row that answers other text, or nothing, is wrong and fails the
+    format (else a policy could give each kind an answer text of its own); format = the kind
+    and a parsed confidence."""
     responses = ["<answer> amber </answer>\n<confidence> 10 </confidence>",
-                 "<answer> heads </answer>\n<confidence> 95 </confidence>",
-                 "<answer> slate </answer>\n<confidence> 90 </confidence>",
+                 "<answer> heads </answer>\n<confidence> 95 </confidence>",  # not the kind
+                 "<answer> Slate. </answer>\n<confidence> 90 </confidence>",  # the kind, normalised
                  "<confidence> 50 </confidence>",  # no answer: wrong, format fails
-                 "<answer> jade </answer>"]  # no confidence: q = 0, format fails
-    golds = [["0.1"], ["0.1"], ["0.9"], ["0.9"], ["0.5"]]
-    draws = np.array([0.05, 0.5, 0.89, 0.01, 0.2])
+                 "<answer> jade </answer>",  # no confidence: q = 0, format fails
+                 "<answer>>> </answer>\n<confidence> 6 </confidence>"]  # other text, draw below p
+    golds = [["0.1", "amber"], ["0.1", "amber"], ["0.9", "slate"], ["0.9", "slate"], ["0.5", "jade"],
+             ["0.1", "amber"]]
+    draws = np.array([0.05, 0.01, 0.89, 0.01, 0.2, 0.02])
     c, q, ok = rewards.reward_inputs(responses, golds, "chance", draws)
-    np.testing.assert_array_equal(c, [True, False, True, False, True])
-    np.testing.assert_allclose(q, [0.1, 0.95, 0.9, 0.5, 0.0], rtol=1e-6)
-    np.testing.assert_array_equal(ok, [True, True, True, False, False])
+    np.testing.assert_array_equal(c, [True, False, True, False, True, False])
+    np.testing.assert_allclose(q, [0.1, 0.95, 0.9, 0.5, 0.0, 0.06], rtol=1e-6)
+    np.testing.assert_array_equal(ok, [True, False, True, False, False, False])
+    # the draw decides among rows that name the kind: the same row with a draw at p is wrong
+    assert not rewards.reward_inputs(responses[:1], golds[:1], "chance", [0.1]).correct[0]
     with pytest.raises(ValueError, match="draws"):
         rewards.reward_inputs(responses, golds, "chance")
+    with pytest.raises(ValueError, match=r"\(p, kind\)"):
+        rewards.reward_inputs(responses[:1], [["0.1"]], "chance", [0.5])
 
 
 def test_reward_inputs_errors():

@@ -189,10 +189,13 @@ def reward_inputs(
     task "math" (TIR): correct = `parsing.math_equal` on the last `<answer>` if there is one,
     else on the last `\\boxed{}` (the model's, else its program's); format_ok = the confidence
     parses (the search chain does not apply to code trajectories).
-    task "chance" (the positive control, `car_jax.data.chance`): the gold is the success
-    probability p; correct = an answer was given and draws[i] < p (`draws`: float[B] uniform
-    in [0, 1), one per row, given by the caller from its seed); format_ok = the answer and
-    the confidence parse.
+    task "chance" (the positive control, `car_jax.data.chance`): the gold is (p, kind), the
+    coin's success probability and its kind; the answer must name the kind (SQuAD exact
+    match), as the prompt asks. correct = it does and draws[i] < p (`draws`: float[B] uniform
+    in [0, 1), one per row, given by the caller from its seed); format_ok = it does and the
+    confidence parses. (An answer of any other text is a format failure: were it graded,
+    a policy could write a text of its own per kind before the confidence, off the prefix
+    at which `experiment.control` measures E[q | kind].)
     In all, q = 0 when the confidence is missing or does not parse.
     """
     tasks = [task] * len(responses) if isinstance(task, str) else list(task)
@@ -213,8 +216,11 @@ def reward_inputs(
             correct.append(parsing.math_equal(answer, gold))
             ok.append(parsed.confidence_ok)
         elif kind == "chance":
-            correct.append(parsed.answer is not None and float(draws[i]) < float(gold[0]))
-            ok.append(parsed.answer is not None and parsed.confidence_ok)
+            if len(gold) != 2:
+                raise ValueError(f"row {i}: a chance gold is (p, kind), e.g. ('0.3', 'cobalt'); got {list(gold)}")
+            named = parsed.answer is not None and parsing.exact_match(parsed.answer, gold[1:])
+            correct.append(named and float(draws[i]) < float(gold[0]))
+            ok.append(named and parsed.confidence_ok)
         else:
             raise ValueError(f"unknown task {kind!r}: choose 'qa', 'math' or 'chance'")
         q.append(parsed.q)

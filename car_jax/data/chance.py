@@ -2,10 +2,10 @@
 
 Each example names a kind of coin (`question`); the policy names the kind in its answer (so
 the kind stands right before the confidence it states) and then rates the chance that the
-coin lands heads. An episode that answers (any answer: it carries no skill) is
-graded correct with its kind's probability p, from a
-seeded uniform draw per rollout row (`draws`), whatever the model wrote; an episode without
-an answer is wrong. So the only thing a policy can learn is the confidence it states per
+coin lands heads. An episode that answers with the kind (no skill: the prompt names it
+eight times) is graded correct with the kind's probability p, from a seeded uniform draw
+per rollout row (`draws`); an episode that answers anything else, or nothing, is wrong and
+fails the format. So the only thing a policy can learn is the confidence it states per
 kind, and the right one is known: a proper scoring rule (Brier, MSCR with b1 = b2) is
 maximised in expectation by q = p, MSCR with b1 != b2 by q* = p b1 / (p b1 + (1 - p) b2),
 and the binary reward does not depend on q at all.
@@ -13,8 +13,8 @@ and the binary reward does not depend on q at all.
     load_dataset("chance")                     # KINDS x PER_KIND examples, task "chance"
     load_dataset("chance", split="extremes")   # only the kinds with p = 0.1 and 0.9 (a quick run)
 
-A chance example's gold answer is its p, written as a decimal string ("0.3"):
-`calibration.rewards.reward_inputs` reads it for task "chance".
+A chance example's gold answers are its p, written as a decimal string, and its kind
+(("0.3", "cobalt")): `calibration.rewards.reward_inputs` reads them for task "chance".
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def examples(kinds=KINDS, per_kind: int = PER_KIND) -> list[QAExample]:
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"chance kind {kind!r}: p={p} must lie in [0, 1]")
             ex_id = f"chance-{kind}-{i}"
-            out.append(QAExample(id=ex_id, question=question(kind), golden_answers=(repr(float(p)),),
+            out.append(QAExample(id=ex_id, question=question(kind), golden_answers=(repr(float(p)), kind),
                                  data_source=f"chance-{kind}", group_id=ex_id, task="chance",
                                  meta={"kind": kind, "p": float(p)}))
     return out

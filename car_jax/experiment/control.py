@@ -1,8 +1,9 @@
 """The positive control: can the trainer learn a confidence whose right value is known?
 
-On the chance task (`car_jax.data.chance`) an answered episode is graded correct with its
-coin kind's probability p, so the confidence is all a policy can learn, and the reward says
-what it should learn: q*(p) = p for Brier and for MSCR with b1 = b2, p b1 / (p b1 + (1 - p) b2)
+On the chance task (`car_jax.data.chance`) an episode that names the prompt's coin kind is
+graded correct with the kind's probability p (any other answer is wrong and fails the
+format), so the confidence is all a policy can learn, and the reward says what it should
+learn: q*(p) = p for Brier and for MSCR with b1 = b2, p b1 / (p b1 + (1 - p) b2)
 for MSCR with b1 != b2, and nothing for the binary reward (it does not depend on q).
 
 Every unit is a plain `car-jax train` run folder under `out`, through the real trainer
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -207,6 +209,13 @@ def run_quick(out: str | Path, *, steps: int = QUICK_STEPS, log: Callable[[str],
 
 
 # ---------------------------------------------------------------- the report
+def _nanmean(values, axis=None) -> np.ndarray:
+    """np.nanmean, NaN (without numpy's warning) where a step had no prompt of a kind in any seed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.asarray(np.nanmean(values, axis=axis))
+
+
 def _curve(run_dir: Path, kinds) -> dict[str, list[float]]:
     """Per-step mean sampled q of each kind (`q/chance-<kind>` in metrics.jsonl); NaN where a
     step had no prompt of that kind."""
@@ -250,7 +259,7 @@ def report(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequen
         entry["learned"] = all(e <= TOLERANCE for e in entry["error"].values()) if complete else None
         if curves:
             n = min(len(c[k]) for c in curves for k in c)
-            entry["curve"] = {kind: np.nanmean([c[kind][:n] for c in curves], axis=0).tolist() for kind, _ in kinds}
+            entry["curve"] = {kind: _nanmean([c[kind][:n] for c in curves], axis=0).tolist() for kind, _ in kinds}
         rep["arms"][name] = entry
     out.mkdir(parents=True, exist_ok=True)
     (out / REPORT_FILE).write_text(json.dumps(rep, indent=1))
@@ -300,7 +309,7 @@ def plot_report(rep: dict, path: str | Path, window: int = 10) -> Path:
     for ax, (name, a) in zip(axes, arms):
         for kind, ys in a["curve"].items():
             ys = np.asarray(ys, float)
-            smooth = np.array([np.nanmean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))])
+            smooth = np.array([_nanmean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))])
             steps = np.arange(1, len(ys) + 1)
             ax.plot(steps, smooth, color=colors[kind], lw=1.5, label=f"{kind} (p={rep['kinds'][kind]:g})")
             ax.axhline(a["target"][kind], color=colors[kind], ls="--", lw=0.8)

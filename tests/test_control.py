@@ -39,6 +39,19 @@ def test_arms_run_no_sft_and_their_schedule_spans_the_run(tmp_path):
     assert arm.rl.optim.schedule == "cosine"
 
 
+@pytest.mark.parametrize("split, over, steps, lr", [
+    ("train", [], 600, 5e-4), ("extremes", [], 60, 1e-3), ("train", ["rl.optim.lr=2e-4"], 600, 2e-4)])
+def test_each_split_runs_its_budget(tmp_path, monkeypatch, split, over, steps, lr):
+    """run_control without steps runs the split's budget (steps, peak lr); an lr override wins."""
+    ran = []
+    monkeypatch.setattr(control, "train", ran.append)
+    monkeypatch.setattr(control, "_measure_unit", lambda run_dir: {})
+    control.run_control(tmp_path, arms=["brier"], seeds=[0], split=split, overrides=over, log=lambda _: None)
+    warm, arm = ran
+    assert warm.rl.steps == 0 and arm.rl.steps == steps and arm.rl.optim.lr == pytest.approx(lr)
+    assert arm.data.train_split == split and arm.rl.optim.total_steps == steps * 4  # 160 rows / 40 a mini-batch
+
+
 def _unit(folder, values, steps=3):
     folder.mkdir(parents=True)
     (folder / control.UNIT_FILE).write_text(json.dumps({k: {"expected_q": v, "mode": v} for k, v in values.items()}))

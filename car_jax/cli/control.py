@@ -3,7 +3,7 @@ learns, through the real trainer, the confidence each kind of coin deserves: the
 grades an answer correct with the kind's probability p, so Brier and MSCR (b1 = b2) should
 reach E[q | kind] = p, MSCR with b1 != b2 its own q*, and the binary reward nothing.
 
-    car-jax control                                   # 4 arms x 5 seeds x 150 steps (run or resume), then report
+    car-jax control                                   # 4 arms x 5 seeds x 600 steps (run or resume), then report
     car-jax control --arms brier,binary --seeds 0,1   # a subset
     car-jax control --split extremes --steps 60 --out runs/control-x   # p = 0.1, 0.9 only
     car-jax control --quick --out runs/control-quick  # Brier vs binary, p = 0.1, 0.9, seed 0, 60 steps
@@ -22,7 +22,8 @@ def register(sub) -> None:
     p.add_argument("--arms", type=_names, default=None, help="comma-separated arms (default binary, brier, mscr, "
                    "mscr_b2_3; also brier_std: Brier with GRPO's std normalisation)")
     p.add_argument("--seeds", type=_seeds, default=None, help="comma-separated seeds (default 0,1,2,3,4)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per arm (default 150)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per arm (default: the split's budget, "
+                   "600 for the five kinds, 60 for extremes)")
     p.add_argument("--split", default=None, help="the coins to train on and score: train (all five kinds, the "
                    "default) or extremes (p = 0.1 and 0.9 only)")
     p.add_argument("--quick", action="store_true", help="the quick version (about 9 minutes on two cores): "
@@ -74,7 +75,7 @@ def _run(args) -> int:
     if args.report:
         rep = control.report(args.out, arms=arms, seeds=seeds, kinds=chance.SPLITS[args.split])
     else:
-        rep = control.run_control(args.out, arms=arms, seeds=seeds, steps=args.steps or control.STEPS,
+        rep = control.run_control(args.out, arms=arms, seeds=seeds, steps=args.steps,
                                   split=args.split, overrides=args.overrides)
     print(control.format_report(rep))
     for name, arm in rep["arms"].items():

@@ -108,7 +108,23 @@ BASE = ["model.path=builtin:tiny-random", "mesh.devices=1", "data.train=chance",
         "rl.optim.lr=1e-3", "rl.optim.schedule=cosine", "rl.optim.min_lr_ratio=0.05", "rl.optim.warmup_steps=0",
         "rl.optim.grad_clip=1.0",
         "run.checkpoint_every=50", "run.keep=1", "run.tensorboard=false", "run.export_hf=true"]
-STEPS = 150
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """A split's GRPO run per arm: its steps and its peak learning rate (rl.optim.lr)."""
+    steps: int
+    lr: float
+
+
+# The two extreme kinds: 60 steps at 1e-3 (above; 5 of 5 seeds, results/control_extremes_g16).
+# All five kinds need more: at 150 steps (1e-3) or 300 (5e-4), seed 0's Brier arm learned
+# amber alone (error 0.137, 0.126; results/control_five_named, exploration/); 300 steps at 1e-3
+# broke the format in one update at step 13 (exploration/five_s0_300steps_lr1e-3); 600 steps
+# at 5e-4, whose cosine keeps the rate up for longer, separated the other four kinds from
+# step 220 on (exploration/five_s0_600steps_lr5e-4).
+BUDGETS = {"extremes": Budget(60, 1e-3), "train": Budget(600, 5e-4), "dev": Budget(600, 5e-4)}
+STEPS = BUDGETS["train"].steps
 # The quick version (`run_quick`, `car-jax control --quick`, tests/test_control.py): the design
 # itself on the two extreme kinds, Brier against binary, seed 0, 60 steps (about 9 minutes on
 # two cores). A cheaper setting (8 trajectories at lr 2e-3) was the quick version before: it
@@ -175,15 +191,18 @@ def _measure_unit(run_dir: Path) -> dict:
 
 
 def run_control(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequence[int] = range(5),
-                steps: int = STEPS, split: str = "train", overrides: Sequence[str] = (),
+                steps: int | None = None, split: str = "train", overrides: Sequence[str] = (),
                 log: Callable[[str], None] = print) -> dict:
     """Runs (or resumes) every unit, seed by seed, measures each policy, writes the report;
     returns it (`report`). `split`: the chance split the runs train on ("train": every kind;
-    "extremes": p = 0.1 and 0.9 only, a quick run), which the report scores; `overrides` go
-    to every unit's config (e.g. a smaller sft.steps)."""
+    "extremes": p = 0.1 and 0.9 only, a quick run), which the report scores; `steps` (None:
+    the split's) and the peak lr come from the split's `BUDGETS`; `overrides` go to every
+    unit's config after them (e.g. a smaller sft.steps, another rl.optim.lr)."""
     out = Path(out)
     kinds = chance.split_kinds(split)
-    overrides = [f"data.train_split={split}", *overrides]
+    budget = BUDGETS[split]
+    steps = steps or budget.steps
+    overrides = [f"data.train_split={split}", f"rl.optim.lr={budget.lr}", *overrides]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm {unknown[0]!r}: choose from {', '.join(ARMS)}")
@@ -323,5 +342,5 @@ def plot_report(rep: dict, path: str | Path, window: int = 10) -> Path:
     return Path(path)
 
 
-__all__ = ["ARMS", "Arm", "BASE", "DEFAULT_ARMS", "QUICK_ARMS", "QUICK_SEEDS", "QUICK_SPLIT", "QUICK_STEPS", "STEPS",
+__all__ = ["ARMS", "Arm", "BASE", "BUDGETS", "Budget", "DEFAULT_ARMS", "QUICK_ARMS", "QUICK_SEEDS", "QUICK_SPLIT", "QUICK_STEPS", "STEPS",
            "TOLERANCE", "arm_config", "format_report", "measure", "report", "run_control", "run_quick", "warm_config"]

@@ -526,7 +526,8 @@ def _control_configs(args, overrides: list[str]) -> None:
         raise ConfigError(f"--split: {split!r} is not one of {', '.join(chance.SPLITS)}")
     overrides = [f"data.train_split={split}", *overrides]
     control.warm_config(Path(args.out), 0, overrides)
-    steps = args.steps if args.steps is not None else control.QUICK_STEPS if args.quick else control.BUDGETS[split].steps
+    default = control.QUICK_STEPS if args.quick else control.BUDGETS[split].steps
+    steps = args.steps if args.steps is not None else default
     if steps < 1:
         raise ConfigError(f"--steps: {steps} must be >= 1")
     for arm in arms:

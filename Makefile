@@ -28,15 +28,9 @@ run: venv
 
 # Two worker processes (pytest-xdist, whole files per worker): most tests wait on single-
 # threaded XLA compiles, so two of them keep both cores of a small machine busy.
-# test_train_step.py runs in its own pytest call: the whole suite in one process (several
-# thousand compiled XLA programs) twice died inside an XLA compile in that file, near the end,
-# while the same file passes alone and after the tests that precede it. That call hands out
-# single tests (--dist load), so both workers share the one file.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
-XDIST := -n 2 --dist loadfile
 test: test-deps
-	$(TEST_ENV) $(BIN)/python -m pytest -q $(XDIST) tests --ignore=tests/test_train_step.py
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist load tests/test_train_step.py
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -34,7 +34,21 @@ if XLA_CACHE.lower() != "off":
     jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop every compiled XLA program when a test file ends. Each XLA:CPU executable holds
+    about six memory mappings for as long as a jit cache keeps it, and Linux allows a process
+    65530 (vm.max_map_count): a worker that ran a few heavy files (test_train_step.py alone
+    leaves ~12,000 mappings) died with a fatal error inside an XLA compile once it ran out.
+    The persistent compilation cache reloads what a later file compiles again."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

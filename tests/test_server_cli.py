@@ -22,12 +22,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sigint_as_from_a_shell() -> None:
-    """In the child before exec: SIGINT unblocked and at its default action, as a terminal
-    gives it. Ignored and blocked signals survive exec, and after other tests the suite's
-    process may hold SIGINT so (the server then never saw the SIGINT below, alone it did)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# The server's process as a terminal starts it: SIGINT unblocked and raising KeyboardInterrupt.
+# Ignored and blocked signals survive exec, and after other tests the suite's process may hold
+# SIGINT so (the server then never saw the SIGINT below; alone it did). Done in the child's
+# first line, not in a preexec_fn: Python code between fork and exec in a multithreaded (JAX)
+# process can deadlock.
+AS_FROM_A_SHELL = ("import runpy, signal; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+                   "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "runpy.run_module('car_jax.cli', run_name='__main__', alter_sys=True)")
 
 
 def test_build_index_commands(tmp_path, capsys):
@@ -45,9 +47,9 @@ def test_serve_retriever_command(tmp_path):
     assert main(["build-index", "--corpus", str(CORPUS), "--out", str(tmp_path), "--backend", "bm25"]) == 0
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "car_jax.cli", "serve-retriever", "--index", str(tmp_path), "--port", str(port),
+        [sys.executable, "-c", AS_FROM_A_SHELL, "serve-retriever", "--index", str(tmp_path), "--port", str(port),
          "--topk", "2", "--noise-shuffle", "1.0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_sigint_as_from_a_shell,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:
         health = None

@@ -83,6 +83,44 @@ def test_report_reads_the_units(tmp_path):
     assert json.loads((tmp_path / control.REPORT_FILE).read_text())["arms"]["brier"]["learned"] is True
 
 
+def test_report_pairs_the_arms_by_seed(tmp_path):
+    """Seed-paired differences of the errors, re-derived with scipy: each arm against binary,
+    and an arm whose q* is not p against its own error measured from p."""
+    from scipy import stats as ss
+
+    ps = dict(chance.KINDS)
+    b23 = control.ARMS["mscr_b2_3"]
+    shifts = {0: 0.02, 1: -0.04, 2: 0.07}
+    for s, d in shifts.items():
+        _unit(tmp_path / f"warm-s{s}", {k: 0.5 for k in ps})
+        _unit(tmp_path / f"brier-s{s}", {k: min(p + d, 1.0) for k, p in ps.items()})
+        _unit(tmp_path / f"binary-s{s}", {k: 0.5 + d for k in ps})
+    for s in (0, 1):  # seed 2 missing: pairs over seeds 0 and 1 only
+        _unit(tmp_path / f"mscr_b2_3-s{s}", {k: b23.target(p) + 0.03 * (s + 1) for k, p in ps.items()})
+    rep = control.report(tmp_path, arms=["brier", "binary", "mscr_b2_3"], seeds=[0, 1, 2])
+
+    def err(values, ref):
+        return float(np.mean([abs(values[k] - ref[k]) for k in ps]))
+
+    brier = [err({k: min(p + d, 1.0) for k, p in ps.items()}, ps) for d in shifts.values()]
+    binary = [err({k: 0.5 + d for k in ps}, ps) for d in shifts.values()]
+    got = rep["arms"]["brier"]["paired"]["binary"]
+    want = ss.ttest_rel(brier, binary)
+    half = ss.t.ppf(0.975, 2) * np.std(np.subtract(brier, binary), ddof=1) / np.sqrt(3)
+    assert got["seeds"] == ["0", "1", "2"] and got["mean"] == pytest.approx(np.mean(np.subtract(brier, binary)))
+    assert got["p"] == pytest.approx(want.pvalue) and got["hi"] - got["mean"] == pytest.approx(half)
+    assert "p" not in rep["arms"]["brier"]["paired"]  # Brier's q* is p
+    own = rep["arms"]["mscr_b2_3"]["paired"]
+    b23_values = [{k: b23.target(p) + 0.03 * (s + 1) for k, p in ps.items()} for s in (0, 1)]
+    vs_p = [err(v, ps) for v in b23_values]
+    assert own["binary"]["seeds"] == ["0", "1"] and own["p"]["per_seed"] == pytest.approx(
+        [0.03 * (s + 1) - e for s, e in zip((0, 1), vs_p)])
+    assert own["p"]["mean"] < 0  # nearer its own optimum than p
+    assert "binary" not in rep["arms"]["binary"]["paired"]
+    table = (tmp_path / control.TABLE_FILE).read_text()
+    assert "| brier - binary | 0, 1, 2 |" in table and "| mscr_b2_3: error against q* - against p | 0, 1 |" in table
+
+
 def _error(values: dict, arm: "control.Arm", kinds) -> float:
     """mean over `kinds` of |E[q | kind] - q*|, written out again (numpy)."""
     return float(np.mean([abs(values[k]["expected_q"] - arm.target(p)) for k, p in kinds]))

@@ -42,6 +42,7 @@ from matplotlib.figure import Figure
 from car_jax.config import load_config
 from car_jax.data import chance
 from car_jax.data.prompts import make_prompt
+from car_jax.experiment.stats import paired_t
 from car_jax.loading import load_model, load_tokenizer
 from car_jax.rl.confidence import expected_q, value_distribution
 from car_jax.rollout.generate import prompt_texts
@@ -252,9 +253,16 @@ def report(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequen
          "warm": {seed: {kind: E[q]}},
          "arms": {arm: {"target": {kind: q*}, "seeds": {seed: {kind: E[q]}},
                         "error": {seed: mean_k |E[q] - q*|}, "learned": bool | None,
-                        "curve": {kind: [per-step mean over seeds]}}}}
+                        "curve": {kind: [per-step mean over seeds]},
+                        "error_vs_p": {seed: mean_k |E[q] - p|}, (arms whose q* is not p)
+                        "paired": {name: stats.paired_t}}}}
 
-    "learned" is True when every seed's error is <= TOLERANCE, None while units are missing."""
+    "learned" is True when every seed's error is <= TOLERANCE, None while units are missing.
+    "paired" compares errors seed by seed (the seeds both sides have, at least 2; the arms of
+    a seed share its warm start, prompts and coin tosses): "binary", the arm's error minus
+    the binary arm's (each against its own reference: q*, or p for binary); "p", for an arm
+    whose q* is not p, its error against q* minus its error against p (below 0: it sits
+    nearer its own optimum than the one b1 = b2 would have)."""
     out = Path(out)
     ps = {kind: p for kind, p in kinds}
     rep = {"kinds": ps, "tolerance": TOLERANCE, "warm": {}, "arms": {}}
@@ -280,13 +288,31 @@ def report(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequen
         if curves:
             n = min(len(c[k]) for c in curves for k in c)
             entry["curve"] = {kind: _nanmean([c[kind][:n] for c in curves], axis=0).tolist() for kind, _ in kinds}
+        if any(target[k] != ps[k] for k in ps):
+            entry["error_vs_p"] = {s: float(np.mean([abs(got[k] - ps[k]) for k in ps]))
+                                   for s, got in entry["seeds"].items()}
         rep["arms"][name] = entry
+    for name, entry in rep["arms"].items():
+        entry["paired"] = {}
+        if name != "binary" and "binary" in rep["arms"]:
+            entry["paired"]["binary"] = _paired(entry["error"], rep["arms"]["binary"]["error"])
+        if "error_vs_p" in entry:
+            entry["paired"]["p"] = _paired(entry["error"], entry["error_vs_p"])
+        entry["paired"] = {k: v for k, v in entry["paired"].items() if v is not None}
     out.mkdir(parents=True, exist_ok=True)
     (out / REPORT_FILE).write_text(json.dumps(rep, indent=1))
     (out / TABLE_FILE).write_text(format_report(rep) + "\n")
     if any(a["curve"] for a in rep["arms"].values()):
         plot_report(rep, out / PLOT_FILE)
     return rep
+
+
+def _paired(arm: dict, base: dict) -> dict | None:
+    """paired_t of two {seed: value} maps over the seeds both have; None below 2 such seeds."""
+    seeds = sorted(set(arm) & set(base), key=int)
+    if len(seeds) < 2:
+        return None
+    return {**paired_t([arm[s] for s in seeds], [base[s] for s in seeds]), "seeds": seeds}
 
 
 def format_report(rep: dict) -> str:
@@ -311,6 +337,14 @@ def format_report(rep: dict) -> str:
         errs = list(a["error"].values())
         lines.append(f"| {name} | {' | '.join(cells)} | {_errs(errs)} | "
                      f"{sum(e <= rep['tolerance'] for e in errs)} of {len(errs)} |")
+    paired = [(name, key, d) for name, a in rep["arms"].items() for key, d in a.get("paired", {}).items()]
+    if paired:
+        lines += ["", "Paired by seed (the difference of the errors, mean and 95% t interval over the seeds):", "",
+                  "| comparison | seeds | per seed | mean [95% interval] |", "|---|---|---|---|"]
+        what = {"binary": "{name} - binary", "p": "{name}: error against q* - against p"}
+        for name, key, d in paired:
+            lines.append(f"| {what[key].format(name=name)} | {', '.join(d['seeds'])} | {_errs(d['per_seed'])} | "
+                         f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] |")
     return "\n".join(lines)
 
 

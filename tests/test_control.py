@@ -39,6 +39,22 @@ def test_arms_run_no_sft_and_their_schedule_spans_the_run(tmp_path):
     assert arm.rl.optim.schedule == "cosine"
 
 
+def test_an_arm_with_its_own_batch_keeps_the_number_of_updates(tmp_path):
+    """mscr_wide: 25 prompts a step in mini-batches of 100, so the same 4 optimizer updates a
+    step as the design's 10 prompts in 40s, each over 2.5x the trajectories; the schedule spans
+    them; its reward is MSCR's; a command-line override still wins over the arm's batch."""
+    base = control.arm_config(tmp_path, control.ARMS["mscr"], 0, 9)
+    wide = control.arm_config(tmp_path, control.ARMS["mscr_wide"], 0, 9)
+    assert (base.rl.prompts_per_step, base.rl.mini_batch) == (10, 40)
+    assert (wide.rl.prompts_per_step, wide.rl.mini_batch) == (25, 100)
+    g = wide.rollout.group_size
+    assert wide.rl.optim.total_steps == base.rl.optim.total_steps == 9 * (25 * g // 100)
+    assert (wide.reward.kind, wide.reward.b1, wide.reward.b2) == ("mscr", 1.0, 1.0)
+    assert wide.run.dir == str(tmp_path / "mscr_wide-s0")
+    mine = control.arm_config(tmp_path, control.ARMS["mscr_wide"], 0, 9, ["rl.mini_batch=200"])
+    assert mine.rl.mini_batch == 200 and mine.rl.optim.total_steps == 9 * 2
+
+
 @pytest.mark.parametrize("split, over, steps, lr", [
     ("train", [], 600, 5e-4), ("extremes", [], 60, 1e-3), ("train", ["rl.optim.lr=2e-4"], 600, 2e-4)])
 def test_each_split_runs_its_budget(tmp_path, monkeypatch, split, over, steps, lr):

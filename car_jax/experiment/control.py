@@ -57,17 +57,22 @@ UNIT_FILE, REPORT_FILE, TABLE_FILE, PLOT_FILE = "control.json", "control.json", 
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """A reward and its hyperparameters, and the advantage normalisation, as config overrides."""
+    """A reward and its hyperparameters, the advantage normalisation, and optionally a batch of
+    its own (prompts a step and trajectories an update; None: the design's), as config overrides."""
     name: str
     kind: str
     b1: float = 1.0
     b2: float = 1.0
     std_norm: bool = False  # GRPO's division by the group's reward std (rl.adv_std_norm)
+    prompts_per_step: int | None = None  # rl.prompts_per_step
+    mini_batch: int | None = None  # rl.mini_batch
 
     @property
     def overrides(self) -> list[str]:
+        own = [f"rl.{key}={getattr(self, key)}" for key in ("prompts_per_step", "mini_batch")
+               if getattr(self, key) is not None]
         return [f"reward.kind={self.kind}", f"reward.b1={self.b1}", f"reward.b2={self.b2}",
-                f"rl.adv_std_norm={str(self.std_norm).lower()}"]
+                f"rl.adv_std_norm={str(self.std_norm).lower()}", *own]
 
     def target(self, p: float) -> float:
         """q*(p): the stated confidence that maximises the arm's expected reward (binary: any
@@ -82,9 +87,15 @@ class Arm:
 # expected reward, whose maximiser is q*; dividing by the group's std re-weights groups by
 # how alike their rewards are: a group that is all wrong (or all right) differs only by its
 # confidences, its std is small, and its advantages of +-1 push q to 0 (or 1) as hard as a
-# mixed group's push it toward p. brier_std measures what that does.
+# mixed group's push it toward p. brier_std measures what that does. mscr_wide is MSCR with
+# 2.5x the trajectories in each of the same number of optimizer updates (25 prompts a step in
+# mini-batches of 100, against 10 and 40): at b1 = b2, MSCR = Brier + c, and the extra c, which
+# does not depend on q within a group, adds variance to the estimate of q's gradient and
+# nothing to its mean (results/control_five_long/gradient_noise.txt); it costs 2.5x the
+# sampling and update time of an arm.
 ARMS = {a.name: a for a in (Arm("binary", "binary"), Arm("brier", "brier"), Arm("mscr", "mscr"),
-                            Arm("mscr_b2_3", "mscr", 1.0, 3.0), Arm("brier_std", "brier", std_norm=True))}
+                            Arm("mscr_b2_3", "mscr", 1.0, 3.0), Arm("brier_std", "brier", std_norm=True),
+                            Arm("mscr_wide", "mscr", prompts_per_step=25, mini_batch=100))}
 DEFAULT_ARMS = ("binary", "brier", "mscr", "mscr_b2_3")
 
 # The design, as `car-jax train` overrides (every key is a TrainConfig key); the single-seed

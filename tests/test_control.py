@@ -26,6 +26,20 @@ def test_targets_are_the_rewards_maximisers():
     assert control.ARMS["mscr_b2_3"].target(0.5) == pytest.approx(0.25)
 
 
+def test_measure_reads_the_value_distribution(monkeypatch):
+    """measure: per kind, E[q] = sum_v P(v) v / 100, the mode, and P(v < 10), re-derived
+    with numpy from a scripted distribution over 0..100."""
+    rng = np.random.default_rng(3)
+    dist = rng.dirichlet(np.full(101, 0.3), size=len(chance.KINDS))
+    monkeypatch.setattr(control, "kind_prefixes", lambda tokenizer, kinds: [[1]] * len(kinds))
+    monkeypatch.setattr(control, "value_distribution", lambda model, tokenizer, prefixes, tail: dist)
+    got = control.measure(None, None)
+    for (kind, _), d in zip(chance.KINDS, dist):
+        assert got[kind]["expected_q"] == pytest.approx(float(d @ np.arange(101)) / 100, abs=1e-12)
+        assert got[kind]["mode"] == int(np.argmax(d)) / 100
+        assert got[kind]["one_digit"] == pytest.approx(float(d[:10].sum()), abs=1e-12)
+
+
 def test_arms_run_no_sft_and_their_schedule_spans_the_run(tmp_path):
     """An sft override sets the warm start's SFT alone; an arm's cosine runs over all of its
     optimizer updates (steps x prompts x G / mini_batch x epochs), whatever the overrides."""
@@ -68,9 +82,11 @@ def test_each_split_runs_its_budget(tmp_path, monkeypatch, split, over, steps, l
     assert arm.data.train_split == split and arm.rl.optim.total_steps == steps * 4  # 160 rows / 40 a mini-batch
 
 
-def _unit(folder, values, steps=3):
+def _unit(folder, values, steps=3, one_digit=None):
     folder.mkdir(parents=True)
-    (folder / control.UNIT_FILE).write_text(json.dumps({k: {"expected_q": v, "mode": v} for k, v in values.items()}))
+    extra = lambda k: {} if one_digit is None else {"one_digit": one_digit[k]}  # noqa: E731
+    (folder / control.UNIT_FILE).write_text(json.dumps({k: {"expected_q": v, "mode": v, **extra(k)}
+                                                        for k, v in values.items()}))
     rows = [{"step": s, **{f"q/chance-{k}": v * s / steps for k, v in values.items()}} for s in range(1, steps + 1)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -97,6 +113,27 @@ def test_report_reads_the_units(tmp_path):
     assert "| brier |" in table and "2 of 2" in table and "0 of 2" in table
     assert (tmp_path / control.PLOT_FILE).stat().st_size > 0
     assert json.loads((tmp_path / control.REPORT_FILE).read_text())["arms"]["brier"]["learned"] is True
+
+
+def test_report_names_the_kinds_held_in_one_digit(tmp_path):
+    """A kind whose q* is above 0.1 but whose policy puts >= half its mass on values 0..9 (at
+    most 0.09) is named under the table (seed by seed); one with q* <= 0.1 (MSCR b2 = 3's
+    amber, 0.036; Brier's amber, 0.1) is not, nor is the binary arm; units measured without it
+    are left out."""
+    ps = dict(chance.KINDS)
+    b23 = control.ARMS["mscr_b2_3"]
+    low = {k: 0.05 for k in ps}
+    held = {"amber": 0.99, "cobalt": 0.9, "jade": 0.5, "silver": 0.49, "slate": 0.0}
+    _unit(tmp_path / "mscr_b2_3-s0", low, one_digit=held)
+    _unit(tmp_path / "mscr_b2_3-s1", low)  # measured before the key existed
+    _unit(tmp_path / "binary-s0", low, one_digit=held)
+    _unit(tmp_path / "brier-s0", low, one_digit={**{k: 0.0 for k in ps}, "amber": 1.0})
+    rep = control.report(tmp_path, arms=["mscr_b2_3", "binary", "brier"], seeds=[0, 1])
+    assert b23.target(ps["amber"]) < 0.1 <= b23.target(ps["cobalt"])
+    assert rep["arms"]["mscr_b2_3"]["one_digit"] == {"0": held}
+    table = (tmp_path / control.TABLE_FILE).read_text()
+    assert "mscr_b2_3 seed 0: cobalt, jade." in table
+    assert "binary seed" not in table and "brier seed" not in table and "seed 1:" not in table
 
 
 def test_report_pairs_the_arms_by_seed(tmp_path):

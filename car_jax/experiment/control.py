@@ -188,12 +188,14 @@ def kind_prefixes(tokenizer, kinds=chance.KINDS) -> list[list[int]]:
 
 
 def measure(model, tokenizer, kinds=chance.KINDS) -> dict[str, dict[str, float]]:
-    """kind -> {"expected_q": E[q | kind], "mode": the most likely value / 100} of `model`
-    (a `loading.Model`), from its distribution over 0..100 at the confidence tag."""
+    """kind -> {"expected_q": E[q | kind], "mode": the most likely value / 100, "one_digit":
+    P(value < 10)} of `model` (a `loading.Model`), from its distribution over 0..100 at the
+    confidence tag. "one_digit" is the mass on values written with one digit (q < 0.1): a
+    policy that states no second digit can only reach q = 0.09, whatever its target."""
     dist = value_distribution(model, tokenizer, kind_prefixes(tokenizer, kinds), TAIL)
     means = expected_q(dist)
-    return {kind: {"expected_q": float(m), "mode": float(np.argmax(d)) / 100.0}
-            for (kind, _), m, d in zip(kinds, means, dist)}
+    return {kind: {"expected_q": float(m), "mode": float(np.argmax(d)) / 100.0, "one_digit": float(np.sum(d[:10]))}
+            for (kind, _), m, d in zip(kinds, means, np.asarray(dist))}
 
 
 def _measure_unit(run_dir: Path) -> dict:
@@ -266,6 +268,7 @@ def report(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequen
                         "error": {seed: mean_k |E[q] - q*|}, "learned": bool | None,
                         "curve": {kind: [per-step mean over seeds]},
                         "error_vs_p": {seed: mean_k |E[q] - p|}, (arms whose q* is not p)
+                        "one_digit": {seed: {kind: P(value < 10)}}, (units measured with it)
                         "paired": {name: stats.paired_t}}}}
 
     "learned" is True when every seed's error is <= TOLERANCE, None while units are missing.
@@ -290,8 +293,11 @@ def report(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequen
             unit = out / f"{name}-s{s}" / UNIT_FILE
             if not unit.is_file():
                 continue
-            got = {k: v["expected_q"] for k, v in json.loads(unit.read_text()).items() if k in ps}
+            measured = {k: v for k, v in json.loads(unit.read_text()).items() if k in ps}
+            got = {k: v["expected_q"] for k, v in measured.items()}
             entry["seeds"][str(s)] = got
+            if all("one_digit" in v for v in measured.values()):  # units measured before it existed lack it
+                entry.setdefault("one_digit", {})[str(s)] = {k: v["one_digit"] for k, v in measured.items()}
             entry["error"][str(s)] = float(np.mean([abs(got[k] - target[k]) for k in target]))
             curves.append(_curve(out / f"{name}-s{s}", kinds))
         complete = len(entry["seeds"]) == len(seeds)
@@ -348,6 +354,13 @@ def format_report(rep: dict) -> str:
         errs = list(a["error"].values())
         lines.append(f"| {name} | {' | '.join(cells)} | {_errs(errs)} | "
                      f"{sum(e <= rep['tolerance'] for e in errs)} of {len(errs)} |")
+    held = lambda a, got, k: got[k] >= 0.5 and a["target"][k] > 0.1  # noqa: E731 (one digit states at most 0.09)
+    trapped = [f"{name} seed {seed}: {', '.join(k for k in kinds if held(a, got, k))}"
+               for name, a in rep["arms"].items() if ARMS[name].kind != "binary"
+               for seed, got in a.get("one_digit", {}).items() if any(held(a, got, k) for k in kinds)]
+    if trapped:
+        lines += ["", "Kinds whose q* is above 0.1 but whose policy puts half its mass or more on one-digit values "
+                  "(at most 0.09; P(value < 10) in each unit's control.json): " + "; ".join(trapped) + "."]
     paired = [(name, key, d) for name, a in rep["arms"].items() for key, d in a.get("paired", {}).items()]
     if paired:
         lines += ["", "Paired by seed (the difference of the errors, mean and 95% t interval over the seeds):", "",

@@ -16,7 +16,7 @@ from car_jax.experiment import control
 def test_targets_are_the_rewards_maximisers():
     """q*(p) is the argmax of each arm's expected reward, found on a grid (numpy)."""
     grid = np.linspace(0.0, 1.0, 100_001)
-    for arm in (control.ARMS["brier"], control.ARMS["mscr"], control.ARMS["mscr_b2_3"]):
+    for arm in (control.ARMS["brier"], control.ARMS["mscr"], control.ARMS["mscr_b2_3"], control.ARMS["mscr_b1_2"]):
         for _, p in chance.KINDS:
             if arm.kind == "brier":
                 expected = p * (1 - (1 - grid) ** 2) + (1 - p) * (0 - grid ** 2)
@@ -24,6 +24,8 @@ def test_targets_are_the_rewards_maximisers():
                 expected = p * (1 + arm.b1 * (1 - (1 - grid) ** 2)) - (1 - p) * arm.b2 * grid ** 2
             assert abs(grid[np.argmax(expected)] - arm.target(p)) < 1e-4
     assert control.ARMS["mscr_b2_3"].target(0.5) == pytest.approx(0.25)
+    assert control.ARMS["mscr_b1_2"].target(0.5) == pytest.approx(2 / 3)
+    assert "reward.b1=2.0" in control.ARMS["mscr_b1_2"].overrides
 
 
 def test_measure_reads_the_value_distribution(monkeypatch):

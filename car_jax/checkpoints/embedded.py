@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -15,16 +18,35 @@ from car_jax.checkpoints.sources import load_tokenizer, read_config
 from car_jax.models.decoder import Decoder
 
 
+def build_once(out: Path, build: Callable[[Path], None]) -> Path:
+    """`out`, built by `build(folder)` unless it is there. Each caller builds into a folder of
+    its own beside `out` (`<name>.partial-*`) and renames it to `out` when complete: an
+    interrupted build leaves only a stray partial folder, and when several processes build at
+    once (two runs started together on a fresh machine), the first to finish publishes its
+    folder and the others discard theirs."""
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # published meanwhile by another process (or a stale, incomplete `out`)
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def default_model_dir() -> Path:
-    """The HF folder of the embedded model, converted on first use. The conversion writes
-    to a `.partial` folder that is renamed when complete, so an interrupted one is redone."""
+    """The HF folder of the embedded model, converted on first use (`build_once`)."""
     out = cache_dir() / "SmolLM2-135M-Instruct"
     if not (out / "config.json").is_file():
         print(f"converting {smollm2_gguf().name} -> {out}")
-        tmp = out.with_name(out.name + ".partial")
-        gguf_to_hf(smollm2_gguf(), tmp)
-        tmp.rename(out)
-    return out
+    return build_once(out, lambda folder: gguf_to_hf(smollm2_gguf(), folder))
 
 
 # A random-init decoder with the embedded model's tokenizer and chat template: two layers of
@@ -42,11 +64,12 @@ def tiny_random_dir() -> Path:
     if (out / "config.json").is_file():
         return out
     base = default_model_dir()
-    cfg = dataclasses.replace(read_config(base), **TINY_SHAPE)
-    params = jax.jit(Decoder(cfg).init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-    tmp = out.with_name(out.name + ".partial")
-    save_hf_folder(params, cfg, tmp)
-    load_tokenizer(base).save_pretrained(str(tmp))
-    tmp.rename(out)
-    return out
+
+    def build(folder: Path) -> None:
+        cfg = dataclasses.replace(read_config(base), **TINY_SHAPE)
+        params = jax.jit(Decoder(cfg).init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+        save_hf_folder(params, cfg, folder)
+        load_tokenizer(base).save_pretrained(str(folder))
+
+    return build_once(out, build)
 

@@ -21,7 +21,7 @@ def register(sub) -> None:
     p.add_argument("--out", default="runs/control", help="folder of the units and the report")
     p.add_argument("--arms", type=_names, default=None, help="comma-separated arms (default binary, brier, mscr, "
                    "mscr_b2_3; also brier_std: Brier with GRPO's std normalisation, and mscr_wide: MSCR "
-                   "with 2.5x the trajectories per optimizer update)")
+                   "with 2.5x the trajectories per optimizer update, and mscr_b1_2: MSCR with b1 = 2, b2 = 1)")
     p.add_argument("--seeds", type=_seeds, default=None, help="comma-separated seeds (default 0,1,2,3,4)")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps per arm (default: the split's budget, "
                    "600 for the five kinds, 60 for extremes)")

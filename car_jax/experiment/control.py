@@ -92,10 +92,14 @@ class Arm:
 # mini-batches of 100, against 10 and 40): at b1 = b2, MSCR = Brier + c, and the extra c, which
 # does not depend on q within a group, adds variance to the estimate of q's gradient and
 # nothing to its mean (results/control_five_long/gradient_noise.txt); it costs 2.5x the
-# sampling and update time of an arm.
+# sampling and update time of an arm. mscr_b1_2 is the other b1 != b2 arm: q* = 2p / (1 + p) =
+# 0.18, 0.46, 0.67, 0.82, 0.95, every one above 0.1, where mscr_b2_3's q* for three kinds
+# (0.125, 0.25, 0.44) sit close enough to amber's one-digit values that its seed 0 wrote all
+# three with one digit (results/control_five_long).
 ARMS = {a.name: a for a in (Arm("binary", "binary"), Arm("brier", "brier"), Arm("mscr", "mscr"),
                             Arm("mscr_b2_3", "mscr", 1.0, 3.0), Arm("brier_std", "brier", std_norm=True),
-                            Arm("mscr_wide", "mscr", prompts_per_step=25, mini_batch=100))}
+                            Arm("mscr_wide", "mscr", prompts_per_step=25, mini_batch=100),
+                            Arm("mscr_b1_2", "mscr", 2.0, 1.0))}
 DEFAULT_ARMS = ("binary", "brier", "mscr", "mscr_b2_3")
 
 # The design, as `car-jax train` overrides (every key is a TrainConfig key); the single-seed
@@ -393,7 +397,8 @@ def plot_report(rep: dict, path: str | Path, window: int = 10) -> Path:
             ax.axhline(a["target"][kind], color=colors[kind], ls="--", lw=0.8)
             final = np.mean([s[kind] for s in a["seeds"].values()])
             ax.plot([len(ys)], [final], "o", color=colors[kind], ms=5)
-        ax.set(title=f"{name} ({len(a['seeds'])} seeds)", xlabel="GRPO step", ylim=(0, 1))
+        n = len(a['seeds'])
+        ax.set(title=f"{name} ({n} seed{'s' if n != 1 else ''})", xlabel="GRPO step", ylim=(0, 1))
     axes[0].set_ylabel("E[q | kind]  (dashed: q*)")
     axes[-1].legend(fontsize=7, loc="upper left")
     fig.tight_layout()

@@ -98,7 +98,9 @@ def fmt(v: float) -> str:
 
 
 def main() -> None:
-    arms = ("rlcr", "vanilla", "rlcr_dapo")  # rlcr_dapo: RESULTS.md 2c, the Brier arm with dynamic sampling
+    # car: MSCR (b1 = b2 = 1), the arm experiment.yaml gains when it is run; rlcr_dapo: RESULTS.md
+    # 2c, the Brier arm with dynamic sampling
+    arms = ("rlcr", "car", "vanilla", "rlcr_dapo")
     curves = {arm: curve(arm) for arm in arms}
     lines = ["# World learning curve (records of configs/experiment/world_curve_cpu.yaml)", "",
              "Written by `python results/experiment_world_curve/analyse.py` from the records in this folder.", "",
@@ -116,7 +118,7 @@ def main() -> None:
               "|---|---|---:|---:|---:|---|"]
     for split in ("id", "ood"):
         warm = samples("warm", split)
-        for unit in ("warm", "rlcr-s0", "vanilla-s0"):
+        for unit in ("warm", "rlcr-s0", "car-s0", "vanilla-s0"):
             h = held_out(unit, split, warm)
             if h is None:
                 lines.append(f"| {unit} | {split} | not evaluated | | | |")

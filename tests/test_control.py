@@ -40,6 +40,7 @@ def test_measure_reads_the_value_distribution(monkeypatch):
         assert got[kind]["expected_q"] == pytest.approx(float(d @ np.arange(101)) / 100, abs=1e-12)
         assert got[kind]["mode"] == int(np.argmax(d)) / 100
         assert got[kind]["one_digit"] == pytest.approx(float(d[:10].sum()), abs=1e-12)
+        np.testing.assert_allclose(got[kind]["distribution"], d, atol=1e-7)
 
 
 def test_arms_run_no_sft_and_their_schedule_spans_the_run(tmp_path):

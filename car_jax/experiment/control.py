@@ -191,14 +191,17 @@ def kind_prefixes(tokenizer, kinds=chance.KINDS) -> list[list[int]]:
             for t, (kind, _) in zip(texts, kinds)]
 
 
-def measure(model, tokenizer, kinds=chance.KINDS) -> dict[str, dict[str, float]]:
+def measure(model, tokenizer, kinds=chance.KINDS) -> dict[str, dict]:
     """kind -> {"expected_q": E[q | kind], "mode": the most likely value / 100, "one_digit":
-    P(value < 10)} of `model` (a `loading.Model`), from its distribution over 0..100 at the
-    confidence tag. "one_digit" is the mass on values written with one digit (q < 0.1): a
-    policy that states no second digit can only reach q = 0.09, whatever its target."""
+    P(value < 10), "distribution": P(value) for value 0..100} of `model` (a `loading.Model`),
+    from its distribution at the confidence tag. "one_digit" is the mass on values written with
+    one digit (q < 0.1): a policy that states no second digit can only reach q = 0.09, whatever
+    its target. The distribution (to 1e-7) is kept so that later questions about a unit need
+    no weights: they are not committed."""
     dist = value_distribution(model, tokenizer, kind_prefixes(tokenizer, kinds), TAIL)
     means = expected_q(dist)
-    return {kind: {"expected_q": float(m), "mode": float(np.argmax(d)) / 100.0, "one_digit": float(np.sum(d[:10]))}
+    return {kind: {"expected_q": float(m), "mode": float(np.argmax(d)) / 100.0, "one_digit": float(np.sum(d[:10])),
+                   "distribution": [round(float(x), 7) for x in d]}
             for (kind, _), m, d in zip(kinds, means, np.asarray(dist))}
 
 

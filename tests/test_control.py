@@ -73,7 +73,7 @@ def test_an_arm_with_its_own_batch_keeps_the_number_of_updates(tmp_path):
 
 
 @pytest.mark.parametrize("split, over, steps, lr", [
-    ("train", [], 600, 5e-4), ("extremes", [], 60, 1e-3), ("train", ["rl.optim.lr=2e-4"], 600, 2e-4)])
+    ("train", [], 1200, 5e-4), ("extremes", [], 60, 1e-3), ("train", ["rl.optim.lr=2e-4"], 1200, 2e-4)])
 def test_each_split_runs_its_budget(tmp_path, monkeypatch, split, over, steps, lr):
     """run_control without steps runs the split's budget (steps, peak lr); an lr override wins."""
     ran = []
@@ -228,3 +228,16 @@ def test_cli_refuses_bad_arguments_in_one_line(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.startswith(f"car-jax control: error: {message}") and err.count("\n") == 1
     assert not any(tmp_path.iterdir())  # nothing ran
+
+
+def test_an_arm_refuses_a_warm_start_without_weights(tmp_path, monkeypatch):
+    """Committed records keep a warm start's config.json but not its weights: an arm that still
+    has to train says which folder to remove, before any training starts."""
+    warm = tmp_path / "warm-s0"
+    (warm / "hf").mkdir(parents=True)
+    (warm / "hf" / "config.json").write_text("{}")
+    (warm / "last_step.json").write_text(json.dumps({"step": 0}))
+    (warm / control.UNIT_FILE).write_text("{}")
+    monkeypatch.setattr(control, "train", lambda cfg: pytest.fail(f"trained {cfg.run.dir}"))
+    with pytest.raises(FileNotFoundError, match=r"warm-s0 has its records but not its weights.*remove .*warm-s0"):
+        control.run_control(tmp_path, arms=["brier"], seeds=[0], log=lambda line: None)

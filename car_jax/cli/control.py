@@ -3,7 +3,7 @@ learns, through the real trainer, the confidence each kind of coin deserves: the
 grades an answer correct with the kind's probability p, so Brier and MSCR (b1 = b2) should
 reach E[q | kind] = p, MSCR with b1 != b2 its own q*, and the binary reward nothing.
 
-    car-jax control                                   # 4 arms x 5 seeds x 600 steps (run or resume), then report
+    car-jax control                                   # 4 arms x 5 seeds x 1200 steps (run or resume), then report
     car-jax control --arms brier,binary --seeds 0,1   # a subset
     car-jax control --split extremes --steps 60 --out runs/control-x   # p = 0.1, 0.9 only
     car-jax control --quick --out runs/control-quick  # Brier vs binary, p = 0.1, 0.9, seed 0, 60 steps
@@ -24,7 +24,7 @@ def register(sub) -> None:
                    "with 2.5x the trajectories per optimizer update, and mscr_b1_2: MSCR with b1 = 2, b2 = 1)")
     p.add_argument("--seeds", type=_seeds, default=None, help="comma-separated seeds (default 0,1,2,3,4)")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps per arm (default: the split's budget, "
-                   "600 for the five kinds, 60 for extremes)")
+                   "1200 for the five kinds, 60 for extremes)")
     p.add_argument("--split", default=None, help="the coins to train on and score: train (all five kinds, the "
                    "default) or extremes (p = 0.1 and 0.9 only)")
     p.add_argument("--quick", action="store_true", help="the quick version (about 9 minutes on two cores): "

@@ -39,6 +39,8 @@ from typing import Callable, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
+from car_jax.checkpoints.safetensors_io import CheckpointError
+from car_jax.checkpoints.sources import check_model_path
 from car_jax.config import load_config
 from car_jax.data import chance
 from car_jax.data.prompts import make_prompt
@@ -253,12 +255,15 @@ def run_control(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: S
 def _check_weights(export: Path, warm_name: str) -> None:
     """An arm trains from its warm start's export: refuse, naming the fix, when the warm start's
     records are there but its weights are not (the records are committed, the weights not)."""
-    if (export / "config.json").is_file() and not any(
-            (export / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+    if not (export / "config.json").is_file():  # not exported yet: the warm start's run reports that
+        return
+    try:
+        check_model_path(export)
+    except CheckpointError as err:
         raise FileNotFoundError(
-            f"{export}: {warm_name} has its records but not its weights (model.safetensors), and an arm "
-            f"of its seed still has to train from them; remove {export.parent} to re-run its SFT (the "
-            f"seed's finished arms then came from the earlier warm start, with the same data order)")
+            f"{warm_name} has its records but not its weights ({err}), and an arm of its seed still "
+            f"has to train from them; remove {export.parent} to re-run its SFT (the seed's finished "
+            f"arms then came from the earlier warm start, with the same data order)") from None
 
 
 def run_quick(out: str | Path, *, steps: int = QUICK_STEPS, log: Callable[[str], None] = print) -> dict:

@@ -44,10 +44,11 @@ LORA_CFG = dataclasses.replace(CFG, lora=LoraConfig(rank=4, alpha=8.0))
 # No warmup: the first update moves the adapters. eps = 1e-6, not optax's 1e-8: Adam's first step
 # is lr g / (|g| + eps), so an element whose gradient is near eps can turn the different summation
 # order of the sharded and the unsharded step into an update difference far above the gradients'
-# own: with eps = 1e-8, one LoRA-B element differed by 2.2e-5 at fsdp = 8 on one machine (the
-# mechanism is inferred from that formula, not traced to the element); at 1e-6 the
-# step's sensitivity to gradient noise is at most lr / eps, and every parameter is still
-# compared at 1e-5.
+# own: with eps = 1e-8, one k_lora_b element differed by 2.2e-5 at fsdp = 8 on one machine; its
+# gradient was about 4e-9 (g / (|g| + eps) = -0.2976 unsharded, -0.2954 sharded, read back from
+# the updated parameter), so a 0.7% summation difference in a near-zero gradient moved the update
+# by lr x 0.0022. At 1e-6 the step's sensitivity to gradient noise is at most lr / eps, and every
+# parameter is still compared at 1e-5.
 OPTIM = OptimConfig(lr=1e-2, total_steps=10, eps=1e-6)
 
 

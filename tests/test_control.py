@@ -30,17 +30,70 @@ def test_targets_are_the_rewards_maximisers():
 
 def test_measure_reads_the_value_distribution(monkeypatch):
     """measure: per kind, E[q] = sum_v P(v) v / 100, the mode, and P(v < 10), re-derived
-    with numpy from a scripted distribution over 0..100."""
+    with numpy from a scripted distribution over 0..100, and P(answer) as given."""
     rng = np.random.default_rng(3)
     dist = rng.dirichlet(np.full(101, 0.3), size=len(chance.KINDS))
+    answers = rng.uniform(size=len(chance.KINDS))
     monkeypatch.setattr(control, "kind_prefixes", lambda tokenizer, kinds: [[1]] * len(kinds))
     monkeypatch.setattr(control, "value_distribution", lambda model, tokenizer, prefixes, tail: dist)
+    monkeypatch.setattr(control, "answer_probability", lambda model, tokenizer, kinds: answers)
     got = control.measure(None, None)
-    for (kind, _), d in zip(chance.KINDS, dist):
+    for (kind, _), d, a in zip(chance.KINDS, dist, answers):
+        assert got[kind]["answers"] == a
         assert got[kind]["expected_q"] == pytest.approx(float(d @ np.arange(101)) / 100, abs=1e-12)
         assert got[kind]["mode"] == int(np.argmax(d)) / 100
         assert got[kind]["one_digit"] == pytest.approx(float(d[:10].sum()), abs=1e-12)
         np.testing.assert_allclose(got[kind]["distribution"], d, atol=1e-7)
+
+
+def test_answer_probability_equals_transformers(tmp_path):
+    """P(the policy writes "<answer> KIND </answer>\n<confidence>" after the kind's prompt),
+    re-derived from a tiny random llama in torch (transformers' logits, log-softmax, the
+    response tokens' log-probs summed). Compared as log-probabilities: a random 49k-token
+    model gives each response about e^-100, and float32 logits from two frameworks differ by
+    about 1e-5 per token, so the summed logs agree to 1e-3 where the probabilities' relative
+    difference is the same 1e-3."""
+    import torch
+
+    from car_jax.assets import smollm2_gguf
+    from car_jax.loading import load_model, load_tokenizer
+    from tests.hf_factory import build
+
+    tok = load_tokenizer(smollm2_gguf())
+    hf = build("llama", tmp_path, vocab_size=len(tok), initializer_range=0.2)
+    got = control.answer_probability(load_model(tmp_path, progress=False), tok)
+    parts = control.kind_parts(tok)
+    assert got.shape == (len(chance.KINDS),)
+    for (prompt, response), (kind, _), p in zip(parts, chance.KINDS, got):
+        assert tok.decode(response) == f"<answer> {kind} </answer>\n<confidence>"
+        assert f"Coin:{(' ' + kind) * 8}" in tok.decode(prompt)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + response])).logits[0].double()
+        logp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+        want = float(logp[torch.arange(len(response)), torch.tensor(response)].sum())
+        assert np.log(p) == pytest.approx(want, abs=1e-3)
+
+
+def test_answer_probability_of_a_model_that_always_answers_one_kind():
+    """A stub model whose logits put all mass on the jade response's tokens, whatever comes
+    before: P(answer) is 1 for jade and 0 for the kinds whose answer differs in a token."""
+    from car_jax.assets import smollm2_gguf
+    from car_jax.loading import load_tokenizer
+
+    tok = load_tokenizer(smollm2_gguf())
+    parts = control.kind_parts(tok)
+    jade = dict(zip([k for k, _ in chance.KINDS], parts))["jade"][1]
+
+    class Stub:
+        def logits(self, tokens):
+            out = np.full((*tokens.shape, len(tok)), -1e4, np.float32)
+            for row, (prompt, _) in enumerate(parts):  # each position predicts the jade response's next token
+                for i, t in enumerate(jade):
+                    out[row, len(prompt) - 1 + i, t] = 0.0
+            return out
+
+    got = dict(zip([k for k, _ in chance.KINDS], control.answer_probability(Stub(), tok)))
+    assert got["jade"] == pytest.approx(1.0) and all(v < 1e-100 for k, v in got.items() if k != "jade")
 
 
 def test_arms_run_no_sft_and_their_schedule_spans_the_run(tmp_path):
@@ -85,9 +138,10 @@ def test_each_split_runs_its_budget(tmp_path, monkeypatch, split, over, steps, l
     assert arm.data.train_split == split and arm.rl.optim.total_steps == steps * 4  # 160 rows / 40 a mini-batch
 
 
-def _unit(folder, values, steps=3, one_digit=None):
+def _unit(folder, values, steps=3, one_digit=None, answers=None):
     folder.mkdir(parents=True)
-    extra = lambda k: {} if one_digit is None else {"one_digit": one_digit[k]}  # noqa: E731
+    extra = lambda k: {**({} if one_digit is None else {"one_digit": one_digit[k]}),  # noqa: E731
+                       **({} if answers is None else {"answers": answers[k]})}
     (folder / control.UNIT_FILE).write_text(json.dumps({k: {"expected_q": v, "mode": v, **extra(k)}
                                                         for k, v in values.items()}))
     rows = [{"step": s, **{f"q/chance-{k}": v * s / steps for k, v in values.items()}} for s in range(1, steps + 1)]
@@ -137,6 +191,29 @@ def test_report_names_the_kinds_held_in_one_digit(tmp_path):
     table = (tmp_path / control.TABLE_FILE).read_text()
     assert "mscr_b2_3 seed 0: cobalt, jade." in table
     assert "binary seed" not in table and "brier seed" not in table and "seed 1:" not in table
+
+
+def test_a_seed_that_lost_a_kinds_format_does_not_pass(tmp_path):
+    """E[q | kind] is measured after the answer naming the kind: a seed whose policy writes
+    that answer for some kind with probability below ANSWER_MIN fails, however near q* its
+    E[q | kind] is, and the table names the kind; a seed measured before P(answer) existed
+    is decided by its error and listed as unchecked."""
+    ps = dict(chance.KINDS)
+    good = {k: p + 0.02 for k, p in ps.items()}
+    kept = {k: 0.97 for k in ps}
+    _unit(tmp_path / "brier-s0", good, answers=kept)
+    _unit(tmp_path / "brier-s1", good, answers={**kept, "silver": control.ANSWER_MIN - 1e-3})
+    _unit(tmp_path / "brier-s2", good)
+    _unit(tmp_path / "mscr-s0", good, answers={**kept, "amber": control.ANSWER_MIN})  # at the bound: kept
+    rep = control.report(tmp_path, arms=["brier", "mscr"], seeds=[0, 1, 2])
+    brier = rep["arms"]["brier"]
+    assert brier["error"]["1"] == pytest.approx(0.02) and brier["lost"] == {"0": [], "1": ["silver"]}
+    assert brier["passed"] == {"0": True, "1": False, "2": True} and brier["learned"] is False
+    assert rep["arms"]["mscr"]["passed"] == {"0": True} and rep["arms"]["mscr"]["learned"] is None
+    table = (tmp_path / control.TABLE_FILE).read_text()
+    assert "brier seed 1: silver (0.499)" in table and "brier seed 0:" not in table
+    assert "| brier |" in table and "2 of 3" in table
+    assert "format not checked, the error alone decides): brier (seed 2)." in table
 
 
 def test_report_pairs_the_arms_by_seed(tmp_path):
@@ -207,6 +284,7 @@ def test_trainer_learns_the_known_confidence(tmp_path):
     assert _error(got["brier"], brier, kinds) <= control.TOLERANCE and spread["brier"] >= 0.55, got["brier"]
     assert _error(got["warm"], brier, kinds) >= 0.3 and abs(spread["warm"]) <= 0.1, got["warm"]
     assert _error(got["binary"], binary, kinds) >= 0.15, got["binary"]
+    assert all(got["brier"][k]["answers"] >= control.ANSWER_MIN for k, _ in kinds), got["brier"]  # format kept
     rep = json.loads((tmp_path / control.REPORT_FILE).read_text())
     assert rep["arms"]["brier"]["error"]["0"] == pytest.approx(_error(got["brier"], brier, kinds))
     assert rep["arms"]["brier"]["learned"] is True and rep["arms"]["binary"]["learned"] is False

@@ -25,7 +25,10 @@ written to the unit's `control.json`. `report` gathers them into out/control.jso
 are the sampled confidences of that step's rollouts, `q/chance-<kind>` in metrics.jsonl).
 
 Criterion (issue acceptance): an arm with a target learns it when, in every seed, the mean
-over kinds of |E[q | kind] - q*| is <= TOLERANCE; the binary arm is measured against p.
+over kinds of |E[q | kind] - q*| is <= TOLERANCE and the policy still answers every kind in
+the format (P(answer prefix) >= ANSWER_MIN: E[q | kind] is measured after that prefix, so a
+kind the policy no longer answers has a confidence it never states); the binary arm is
+measured against p.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ from car_jax.train.config import TrainConfig
 from car_jax.train.trainer import train
 
 TOLERANCE = 0.1  # mean over kinds of |E[q | kind] - q*|
+ANSWER_MIN = 0.5  # a kind the policy answers in the format with less probability than this is lost
 RESPONSE_PREFIX = "<answer> {kind} </answer>\n<confidence>"  # what the demonstrations write before the value
 TAIL = " {} </confidence>"
 UNIT_FILE, REPORT_FILE, TABLE_FILE, PLOT_FILE = "control.json", "control.json", "CONTROL.md", "control.png"
@@ -186,29 +190,62 @@ def finished(cfg: TrainConfig) -> bool:
     return done and (run / "hf" / "config.json").is_file()
 
 
-def kind_prefixes(tokenizer, kinds=chance.KINDS) -> list[list[int]]:
-    """For each kind: its prompt (chat template) and the response up to the confidence
-    value, as token ids, tokenized the way the demonstrations are (prompt, then the
-    response text on its own)."""
+def kind_parts(tokenizer, kinds=chance.KINDS) -> list[tuple[list[int], list[int]]]:
+    """For each kind: (its prompt, chat template applied; the response up to the confidence
+    value), as token ids, tokenized the way the demonstrations are (prompt, then the response
+    text on its own)."""
     exs = {ex.meta["kind"]: ex for ex in chance.examples(kinds, 1)}
     texts = prompt_texts(tokenizer, [make_prompt(exs[kind], "chance") for kind, _ in kinds])
-    return [tokenizer(t, add_special_tokens=False)["input_ids"]
-            + tokenizer(RESPONSE_PREFIX.format(kind=kind), add_special_tokens=False)["input_ids"]
+    return [(tokenizer(t, add_special_tokens=False)["input_ids"],
+             tokenizer(RESPONSE_PREFIX.format(kind=kind), add_special_tokens=False)["input_ids"])
             for t, (kind, _) in zip(texts, kinds)]
+
+
+def kind_prefixes(tokenizer, kinds=chance.KINDS) -> list[list[int]]:
+    """For each kind: its prompt and the response up to the confidence value, as one list of
+    token ids (`kind_parts` joined)."""
+    return [prompt + response for prompt, response in kind_parts(tokenizer, kinds)]
+
+
+def answer_probability(model, tokenizer, kinds=chance.KINDS) -> np.ndarray:
+    """float64[K]: for each kind, the probability that `model` (a `loading.Model`), sampling
+    at the design's temperature 1, writes the response prefix (`<answer> KIND </answer>` and
+    the confidence tag) right after the kind's prompt: the product of its tokens'
+    probabilities, teacher-forced in one right-padded batch. E[q | kind] is measured after
+    that prefix, so it is the policy's own confidence only where the policy writes it; a
+    policy that has stopped naming a kind (the format lost for that kind) has an E[q | kind]
+    it never states."""
+    parts = kind_parts(tokenizer, kinds)
+    width = max(len(p) + len(r) for p, r in parts)
+    tokens = np.zeros((len(parts), width), np.int32)
+    for i, (p, r) in enumerate(parts):
+        tokens[i, :len(p) + len(r)] = p + r
+    logits = np.asarray(model.logits(tokens), np.float64)  # [K, T, V]; padding is after every prefix
+    out = []
+    for row, (p, r) in zip(logits, parts):
+        at = row[len(p) - 1:len(p) + len(r) - 1]  # the positions that predict the response's tokens
+        top = at.max(axis=-1, keepdims=True)
+        logp = at - top - np.log(np.exp(at - top).sum(axis=-1, keepdims=True))
+        out.append(np.exp(logp[np.arange(len(r)), r].sum()))
+    return np.asarray(out)
 
 
 def measure(model, tokenizer, kinds=chance.KINDS) -> dict[str, dict]:
     """kind -> {"expected_q": E[q | kind], "mode": the most likely value / 100, "one_digit":
-    P(value < 10), "distribution": P(value) for value 0..100} of `model` (a `loading.Model`),
-    from its distribution at the confidence tag. "one_digit" is the mass on values written with
-    one digit (q < 0.1): a policy that states no second digit can only reach q = 0.09, whatever
-    its target. The distribution (to 1e-7) is kept so that later questions about a unit need
-    no weights: they are not committed."""
+    P(value < 10), "answers": P(the policy writes the answer naming the kind, up to the
+    confidence tag), "distribution": P(value) for value 0..100} of `model` (a
+    `loading.Model`), from its distribution at the confidence tag. "one_digit" is the mass on
+    values written with one digit (q < 0.1): a policy that states no second digit can only
+    reach q = 0.09, whatever its target. "answers" (`answer_probability`) says whether E[q |
+    kind] is what the policy states: below ANSWER_MIN the kind's format is lost. The
+    distribution (to 1e-7) is kept so that later questions about a unit need no weights:
+    they are not committed."""
     dist = value_distribution(model, tokenizer, kind_prefixes(tokenizer, kinds), TAIL)
     means = expected_q(dist)
+    answers = answer_probability(model, tokenizer, kinds)
     return {kind: {"expected_q": float(m), "mode": float(np.argmax(d)) / 100.0, "one_digit": float(np.sum(d[:10])),
-                   "distribution": [round(float(x), 7) for x in d]}
-            for (kind, _), m, d in zip(kinds, means, np.asarray(dist))}
+                   "answers": float(a), "distribution": [round(float(x), 7) for x in d]}
+            for (kind, _), m, d, a in zip(kinds, means, np.asarray(dist), answers)}
 
 
 def _measure_unit(run_dir: Path) -> dict:
@@ -300,7 +337,11 @@ def report(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequen
                         "one_digit": {seed: {kind: P(value < 10)}}, (units measured with it)
                         "paired": {name: stats.paired_t}}}}
 
-    "learned" is True when every seed's error is <= TOLERANCE, None while units are missing.
+                        "answers": {seed: {kind: P(answer prefix)}}, (units measured with it)
+                        "lost": {seed: [kinds answered with P < ANSWER_MIN]},
+                        "passed": {seed: error <= TOLERANCE and no kind lost},
+
+    "learned" is True when every seed passed, None while units are missing.
     "paired" compares errors seed by seed (the seeds both sides have, at least 2; the arms of
     a seed share its warm start, prompts and coin tosses): "binary", the arm's error minus
     the binary arm's (each against its own reference: q*, or p for binary); "p", for an arm
@@ -325,12 +366,15 @@ def report(out: str | Path, *, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequen
             measured = {k: v for k, v in json.loads(unit.read_text()).items() if k in ps}
             got = {k: v["expected_q"] for k, v in measured.items()}
             entry["seeds"][str(s)] = got
-            if all("one_digit" in v for v in measured.values()):  # units measured before it existed lack it
-                entry.setdefault("one_digit", {})[str(s)] = {k: v["one_digit"] for k, v in measured.items()}
+            for key in ("one_digit", "answers"):  # units measured before a key existed lack it
+                if all(key in v for v in measured.values()):
+                    entry.setdefault(key, {})[str(s)] = {k: v[key] for k, v in measured.items()}
             entry["error"][str(s)] = float(np.mean([abs(got[k] - target[k]) for k in target]))
             curves.append(_curve(out / f"{name}-s{s}", kinds))
+        entry["lost"] = {seed: [k for k in ps if a[k] < ANSWER_MIN] for seed, a in entry.get("answers", {}).items()}
+        entry["passed"] = {seed: e <= TOLERANCE and not entry["lost"].get(seed) for seed, e in entry["error"].items()}
         complete = len(entry["seeds"]) == len(seeds)
-        entry["learned"] = all(e <= TOLERANCE for e in entry["error"].values()) if complete else None
+        entry["learned"] = all(entry["passed"].values()) if complete else None
         if curves:
             n = min(len(c[k]) for c in curves for k in c)
             entry["curve"] = {kind: _nanmean([c[kind][:n] for c in curves], axis=0).tolist() for kind, _ in kinds}
@@ -366,7 +410,7 @@ def format_report(rep: dict) -> str:
     and the per-seed error (mean over kinds of |E[q | kind] - q*|)."""
     kinds = sorted(rep["kinds"], key=rep["kinds"].get)
     head = "| policy | " + " | ".join(f"{k} (p={rep['kinds'][k]:g})" for k in kinds) + \
-        " | error per seed | seeds <= {:g} |".format(rep["tolerance"])
+        " | error per seed | seeds <= {:g}, format kept |".format(rep["tolerance"])
     lines = [head, "|" + "---|" * (len(kinds) + 3)]
     if rep["warm"]:
         warm = rep["warm"]
@@ -381,8 +425,9 @@ def format_report(rep: dict) -> str:
         label = "p" if ARMS[name].kind == "binary" else "q*"  # binary has no q*: it is measured against p
         cells = [f"{np.mean([s[k] for s in a['seeds'].values()]):.3f} ({label} {a['target'][k]:.3f})" for k in kinds]
         errs = list(a["error"].values())
+        passed = a.get("passed", {s: e <= rep["tolerance"] for s, e in a["error"].items()})
         lines.append(f"| {name} | {' | '.join(cells)} | {_errs(errs)} | "
-                     f"{sum(e <= rep['tolerance'] for e in errs)} of {len(errs)} |")
+                     f"{sum(passed.values())} of {len(errs)} |")
     held = lambda a, got, k: got[k] >= 0.5 and a["target"][k] > 0.1  # noqa: E731 (one digit states at most 0.09)
     trapped = [f"{name} seed {seed}: {', '.join(k for k in kinds if held(a, got, k))}"
                for name, a in rep["arms"].items() if ARMS[name].kind != "binary"
@@ -390,6 +435,18 @@ def format_report(rep: dict) -> str:
     if trapped:
         lines += ["", "Kinds whose q* is above 0.1 but whose policy puts half its mass or more on one-digit values "
                   "(at most 0.09; P(value < 10) in each unit's control.json): " + "; ".join(trapped) + "."]
+    lost = [f"{name} seed {seed}: " + ", ".join(f"{k} ({a['answers'][seed][k]:.3f})" for k in ks)
+            for name, a in rep["arms"].items() for seed, ks in a.get("lost", {}).items() if ks]
+    if lost:
+        lines += ["", f"Kinds the policy no longer answers in the format (P(it writes the answer naming the kind) "
+                  f"< {ANSWER_MIN:g}: their E[q | kind] is never stated, and the seed does not pass): "
+                  + "; ".join(lost) + "."]
+    unchecked = [(name, [seed for seed in a["seeds"] if seed not in a.get("answers", {})])
+                 for name, a in rep["arms"].items()]
+    unchecked = [f"{name} (seed{'s' if len(ss) > 1 else ''} {', '.join(ss)})" for name, ss in unchecked if ss]
+    if unchecked:
+        lines += ["", "Measured before P(answer) was (format not checked, the error alone decides): "
+                  + ", ".join(unchecked) + "."]
     paired = [(name, key, d) for name, a in rep["arms"].items() for key, d in a.get("paired", {}).items()]
     if paired:
         lines += ["", "Paired by seed (the difference of the errors, mean and 95% t interval over the seeds):", "",
@@ -431,6 +488,6 @@ def plot_report(rep: dict, path: str | Path, window: int = 10) -> Path:
     return Path(path)
 
 
-__all__ = ["ARMS", "Arm", "BASE", "BUDGETS", "Budget", "DEFAULT_ARMS", "QUICK_ARMS", "QUICK_SEEDS", "QUICK_SPLIT",
-           "QUICK_STEPS", "STEPS", "TOLERANCE", "arm_config", "format_report", "measure", "report", "run_control",
-           "run_quick", "warm_config"]
+__all__ = ["ANSWER_MIN", "ARMS", "Arm", "BASE", "BUDGETS", "Budget", "DEFAULT_ARMS", "QUICK_ARMS", "QUICK_SEEDS",
+           "QUICK_SPLIT", "QUICK_STEPS", "STEPS", "TOLERANCE", "answer_probability", "arm_config", "format_report",
+           "measure", "report", "run_control", "run_quick", "warm_config"]

@@ -410,24 +410,23 @@ def format_report(rep: dict) -> str:
     and the per-seed error (mean over kinds of |E[q | kind] - q*|)."""
     kinds = sorted(rep["kinds"], key=rep["kinds"].get)
     head = "| policy | " + " | ".join(f"{k} (p={rep['kinds'][k]:g})" for k in kinds) + \
-        " | error per seed | seeds <= {:g}, format kept |".format(rep["tolerance"])
+        " | error per seed (seed: error) | seeds <= {:g}, format kept |".format(rep["tolerance"])
     lines = [head, "|" + "---|" * (len(kinds) + 3)]
     if rep["warm"]:
         warm = rep["warm"]
-        errs = [np.mean([abs(w[k] - rep["kinds"][k]) for k in kinds]) for w in warm.values()]
+        errs = {s: np.mean([abs(w[k] - rep["kinds"][k]) for k in kinds]) for s, w in warm.items()}
         cells = [f"{np.mean([w[k] for w in warm.values()]):.3f}" for k in kinds]
-        lines.append(f"| warm start (vs p) | {' | '.join(cells)} | {_errs(errs)} | "
-                     f"{sum(e <= rep['tolerance'] for e in errs)} of {len(errs)} |")
+        lines.append(f"| warm start (vs p) | {' | '.join(cells)} | {_seed_errs(errs)} | "
+                     f"{sum(e <= rep['tolerance'] for e in errs.values())} of {len(errs)} |")
     for name, a in rep["arms"].items():
         if not a["seeds"]:
             lines.append(f"| {name} | " + " | ".join("-" for _ in kinds) + " | (not run) | |")
             continue
         label = "p" if ARMS[name].kind == "binary" else "q*"  # binary has no q*: it is measured against p
         cells = [f"{np.mean([s[k] for s in a['seeds'].values()]):.3f} ({label} {a['target'][k]:.3f})" for k in kinds]
-        errs = list(a["error"].values())
         passed = a.get("passed", {s: e <= rep["tolerance"] for s, e in a["error"].items()})
-        lines.append(f"| {name} | {' | '.join(cells)} | {_errs(errs)} | "
-                     f"{sum(passed.values())} of {len(errs)} |")
+        lines.append(f"| {name} | {' | '.join(cells)} | {_seed_errs(a['error'])} | "
+                     f"{sum(passed.values())} of {len(passed)} |")
     held = lambda a, got, k: got[k] >= 0.5 and a["target"][k] > 0.1  # noqa: E731 (one digit states at most 0.09)
     trapped = [f"{name} seed {seed}: {', '.join(k for k in kinds if held(a, got, k))}"
                for name, a in rep["arms"].items() if ARMS[name].kind != "binary"
@@ -456,6 +455,10 @@ def format_report(rep: dict) -> str:
             lines.append(f"| {what[key].format(name=name)} | {', '.join(d['seeds'])} | {_errs(d['per_seed'])} | "
                          f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] |")
     return "\n".join(lines)
+
+
+def _seed_errs(errs: dict) -> str:
+    return ", ".join(f"{s}: {e:.3f}" for s, e in errs.items())
 
 
 def _errs(errs) -> str:

@@ -80,7 +80,7 @@ def _run(args) -> int:
                                   split=args.split, overrides=args.overrides)
     print(control.format_report(rep))
     for name, arm in rep["arms"].items():
-        verdict = {True: "learns q* in every seed", False: "does not reach q* in every seed",
+        verdict = {True: "learns q* in every seed", False: "does not reach q* (with every kind answered) in every seed",
                    None: "incomplete"}[arm["learned"]]
         print(f"{name}: {verdict} (tolerance {rep['tolerance']:g})")
     print(f"wrote {args.out}/{control.TABLE_FILE}, {args.out}/{control.REPORT_FILE} and {args.out}/{control.PLOT_FILE}")
